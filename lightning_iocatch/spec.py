@@ -1,0 +1,228 @@
+"""The capture spec grammar: parse ``"inputs[a|b]|outputs[c]"`` and resolve names and globs.
+
+Grammar (whitespace is allowed around every token)::
+
+    spec    := section ( ["|"] section )?
+    section := ("inputs" | "outputs") "[" item ( "|" item )* "]"
+
+Each section may appear at most once, in any order, and may be empty (``inputs[]``).
+Items are stripped and empty items are dropped. An item is a dotted module name as
+listed by ``model.named_modules()``, possibly with globs: ``*`` matches within one
+dotted component (``layers.*``, ``h.1*``), ``**`` matches any number of components,
+none included (``encoder.**.mlp``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from lightning_iocatch.errors import SpecError, UnknownModuleError
+
+__all__ = [
+    "CaptureSpec",
+    "canonical_name",
+    "format_io_spec",
+    "parse_io_spec",
+    "resolve_names",
+    "unknown_name_message",
+]
+
+SECTIONS = ("inputs", "outputs")
+LIST_NAMES_HINT = (
+    "list valid names with `lightning-iocatch modules` or `[n for n, _ in model.named_modules()]`"
+)
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What to capture: module names (or globs) whose inputs and outputs are wanted.
+
+    Example:
+        >>> CaptureSpec.parse("inputs[model.h.0]|outputs[model.h.*]")
+        CaptureSpec(inputs=('model.h.0',), outputs=('model.h.*',))
+        >>> CaptureSpec(outputs=("a", "b")).to_string()
+        'outputs[a|b]'
+    """
+
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str) -> CaptureSpec:
+        """Parse a spec string; raises :class:`SpecError` if it is malformed."""
+        inputs, outputs = parse_io_spec(spec)
+        return cls(tuple(inputs), tuple(outputs))
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the spec selects no module at all."""
+        return not self.inputs and not self.outputs
+
+    def to_string(self) -> str:
+        """The canonical spec string; ``CaptureSpec.parse(s.to_string()) == s``."""
+        return format_io_spec(self.inputs, self.outputs)
+
+
+def _error(spec: str, pos: int, problem: str) -> SpecError:
+    pointer = " " * pos + "^"
+    return SpecError(f"invalid capture spec {spec!r}: {problem}\n  {spec}\n  {pointer}")
+
+
+def _skip_space(spec: str, pos: int) -> int:
+    while pos < len(spec) and spec[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _section_word_problem(word: str) -> str:
+    if word.lower() in SECTIONS:
+        return f"section words are lower case: write {word.lower()!r}, not {word!r}"
+    close = difflib.get_close_matches(word.lower(), SECTIONS, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown section {word!r}, expected 'inputs[...]' or 'outputs[...]'{hint}"
+
+
+def parse_io_spec(spec: str) -> tuple[list[str], list[str]]:
+    """Parse a capture spec into ``(inputs, outputs)`` lists of module names or globs.
+
+    Both sections are optional; ``|`` separates items inside brackets and, optionally,
+    the two sections. Whitespace and empty items are dropped. Anything else, such as a
+    misspelled or mis-cased section word, a section given twice, unbalanced or nested
+    brackets, stray text or an empty spec, raises :class:`SpecError` with a pointer to
+    the offending position.
+
+    Example:
+        >>> parse_io_spec("inputs[model.layers.0]|outputs[model.layers.0|model.layers.5]")
+        (['model.layers.0'], ['model.layers.0', 'model.layers.5'])
+        >>> parse_io_spec("outputs[ encoder.**.mlp | ]")
+        ([], ['encoder.**.mlp'])
+        >>> parse_io_spec("output[a]")
+        Traceback (most recent call last):
+        ...
+        lightning_iocatch.errors.SpecError: invalid capture spec 'output[a]': unknown section 'output', expected 'inputs[...]' or 'outputs[...]'; did you mean 'outputs'?
+          output[a]
+          ^
+    """  # noqa: E501
+    if not isinstance(spec, str):
+        raise SpecError(f"a capture spec must be a string, got {type(spec).__name__}: {spec!r}")
+    sections: dict[str, list[str]] = {}
+    pos = _skip_space(spec, 0)
+    if pos == len(spec):
+        raise _error(spec, 0, "the spec is empty; write e.g. 'outputs[model.layers.0]'")
+    while pos < len(spec):
+        if sections and spec[pos] == "|":
+            pos = _skip_space(spec, pos + 1)
+            if pos == len(spec):
+                raise _error(spec, pos - 1, "expected a section after '|'")
+        word = _WORD.match(spec, pos)
+        if word is None:
+            problem = (
+                f"unbalanced {spec[pos]!r}"
+                if spec[pos] in "[]"
+                else f"unexpected text {spec[pos:]!r}"
+            )
+            raise _error(spec, pos, f"{problem}, expected 'inputs[...]' or 'outputs[...]'")
+        name = word.group()
+        if name not in SECTIONS:
+            raise _error(spec, pos, _section_word_problem(name))
+        if name in sections:
+            raise _error(
+                spec, pos, f"section {name!r} given twice; list all its names in one: {name}[a|b]"
+            )
+        open_at = word.end()
+        if open_at == len(spec) or spec[open_at] != "[":
+            raise _error(spec, open_at, f"expected '[' right after {name!r}")
+        close_at = _find_closing(spec, open_at)
+        body = spec[open_at + 1 : close_at]
+        sections[name] = [item.strip() for item in body.split("|") if item.strip()]
+        pos = _skip_space(spec, close_at + 1)
+    return sections.get("inputs", []), sections.get("outputs", [])
+
+
+def _find_closing(spec: str, open_at: int) -> int:
+    for pos in range(open_at + 1, len(spec)):
+        if spec[pos] == "]":
+            return pos
+        if spec[pos] == "[":
+            raise _error(spec, pos, "nested '[' inside a section; module names contain no brackets")
+    raise _error(spec, open_at, "unbalanced '[': the section is never closed with ']'")
+
+
+def format_io_spec(inputs: Iterable[str] = (), outputs: Iterable[str] = ()) -> str:
+    """Write names back as a spec string (the inverse of :func:`parse_io_spec`).
+
+    Example:
+        >>> format_io_spec(["a"], ["b", "c"])
+        'inputs[a]|outputs[b|c]'
+    """
+    sections = zip(SECTIONS, (list(inputs), list(outputs)), strict=True)
+    return "|".join(f"{kind}[{'|'.join(names)}]" for kind, names in sections if names)
+
+
+def _glob_matches(pattern: Sequence[str], name: Sequence[str]) -> bool:
+    if not pattern:
+        return not name
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_glob_matches(rest, name[i:]) for i in range(len(name) + 1))
+    return bool(name) and fnmatchcase(name[0], head) and _glob_matches(rest, name[1:])
+
+
+def _is_glob(item: str) -> bool:
+    return "*" in item
+
+
+def canonical_name(name: str) -> str:
+    """Drop the ``_orig_mod`` components that ``torch.compile`` inserts into module names.
+
+    Example:
+        >>> canonical_name("model._orig_mod.layers.0")
+        'model.layers.0'
+    """
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _split(name: str) -> list[str]:
+    return name.split(".") if name else []
+
+
+def resolve_names(items: Iterable[str], available: Sequence[str]) -> list[str]:
+    """Expand names and globs against ``available`` module names, keeping order, no repeats.
+
+    An exact name must be in ``available`` (or carry a ``_orig_mod.`` prefix added by
+    ``torch.compile``); a glob must match at least one name. Otherwise
+    :class:`UnknownModuleError` says what is close and how to list valid names.
+
+    Example:
+        >>> names = ["", "h", "h.0", "h.0.mlp", "h.1", "h.1.mlp", "ln_f"]
+        >>> resolve_names(["h.*"], names)
+        ['h.0', 'h.1']
+        >>> resolve_names(["**.mlp", "ln_f"], names)
+        ['h.0.mlp', 'h.1.mlp', 'ln_f']
+    """
+    known = set(available)
+    resolved: dict[str, None] = {}
+    for item in map(canonical_name, items):
+        if _is_glob(item):
+            pattern = _split(item)
+            matches = [n for n in available if _glob_matches(pattern, _split(n))]
+            if not matches:
+                raise UnknownModuleError(f"glob {item!r} matches no module. {LIST_NAMES_HINT}")
+            resolved.update(dict.fromkeys(matches))
+        elif item in known:
+            resolved[item] = None
+        else:
+            raise UnknownModuleError(unknown_name_message(item, available))
+    return list(resolved)
+
+
+def unknown_name_message(name: str, available: Sequence[str]) -> str:
+    """Say that ``name`` is unknown, which names are close, and how to list them all."""
+    close = difflib.get_close_matches(name, [n for n in available if n], n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f"unknown module name {name!r}{hint} {LIST_NAMES_HINT}"

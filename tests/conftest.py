@@ -1,0 +1,46 @@
+"""Tiny named models shared by the tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+class Counter(nn.Module):
+    """Identity that counts its calls: shows which modules a forward actually ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+class Blocks(nn.Module):
+    """``layers.{i}`` Linear+ReLU blocks followed by a counting ``tail``; ``model.layers.i``."""
+
+    def __init__(self, width: int = 8, depth: int = 4, inplace: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.ReLU(inplace=inplace)) for _ in range(depth)
+        )
+        self.tail = Counter()
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) * scale
+        return self.tail(x)
+
+
+@pytest.fixture
+def blocks() -> Blocks:
+    torch.manual_seed(0)
+    return Blocks()
+
+
+def hook_count(model: nn.Module) -> int:
+    """Forward hooks and pre-hooks registered anywhere in ``model``."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())

@@ -196,7 +196,7 @@ class CaptureSession:
 def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
     catcher = session.catcher
 
-    @torch.compiler.disable  # run eagerly inside compiled code: exact values, real exceptions
+    @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         entry = {
             "args": transfer_to_device(args, catcher.device, dtype=catcher.dtype),
@@ -210,7 +210,7 @@ def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
 def _output_hook(session: CaptureSession, name: str) -> Callable[..., None]:
     catcher = session.catcher
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         session._record(
             name, "outputs", transfer_to_device(output, catcher.device, dtype=catcher.dtype)

@@ -248,9 +248,9 @@ def test_shared_module_called_twice() -> None:
         second = model.block(first)
     with catcher.for_product("outputs[block]", early_exit=False) as buf:
         catcher.run(x)
-    assert [torch.equal(a, b) for a, b in zip(buf["block"]["outputs"], [first, second])] == [
-        True
-    ] * 2
+    captured = buf["block"]["outputs"]
+    assert len(captured) == 2
+    assert torch.equal(captured[0], first) and torch.equal(captured[1], second)
     with catcher.for_product("outputs[block|mid]", early_exit=True) as buf:
         assert catcher.run(x) is None  # stops at `mid`: the second call of `block` never happens
     assert len(buf["block"]["outputs"]) == 1 and torch.equal(buf["block"]["outputs"][0], first)

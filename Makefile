@@ -32,7 +32,7 @@ demo: venv
 	$(BIN)/python examples/gpt2_blocks.py
 
 bench: venv
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/overhead.py --markdown
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -98,11 +98,13 @@ class CaptureSession:
     def __init__(
         self,
         catcher: ModelIOCatcher,
+        modules: dict[str, nn.Module],
         inputs: list[str],
         outputs: list[str],
         early_exit: bool,
     ) -> None:
         self.catcher = catcher
+        self.modules = modules
         self.inputs = inputs
         self.outputs = outputs
         self.early_exit = early_exit
@@ -126,7 +128,7 @@ class CaptureSession:
                 "a capture session is already open on this catcher; close it before opening "
                 "another (one `with catcher(...)` at a time, or use a second ModelIOCatcher)"
             )
-        modules = self.catcher._modules()
+        modules = self.modules
         self.catcher._session = self
         try:
             for name in self.inputs:
@@ -303,12 +305,13 @@ class ModelIOCatcher:
                 "a capture session is already open on this catcher; nested sessions would "
                 "clobber each other. Close the open one first or use a second ModelIOCatcher"
             )
-        available = self.module_names
-        resolved_in = resolve_names(inputs, available)
-        resolved_out = resolve_names(outputs, available)
+        index = self._modules()
+        resolved_in = resolve_names(inputs, list(index))
+        resolved_out = resolve_names(outputs, list(index))
         if not resolved_in and not resolved_out:
             raise ValueError("the capture request selects no module: give `inputs` or `outputs`")
-        self._requested = CaptureSession(self, resolved_in, resolved_out, early_exit)
+        modules = {name: index[name] for name in (*resolved_in, *resolved_out)}
+        self._requested = CaptureSession(self, modules, resolved_in, resolved_out, early_exit)
         return self._requested
 
     def for_product(self, spec: str | CaptureSpec, early_exit: bool = True) -> CaptureSession:

@@ -1,0 +1,232 @@
+"""Overhead of ModelIOCatcher against a plain forward, in one run, printed as JSON.
+
+Every figure is a ratio of medians to a plain forward of the same model measured in
+the same run, with the variants interleaved so that machine noise hits all alike.
+
+    python benchmarks/overhead.py            # full run (about a minute on 2 cores)
+    python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
+
+Rows:
+- ``idle``: a catcher exists (and a session was opened and closed before), none open.
+- ``armed``: a session captures the output of one module in the middle, to the CPU.
+- ``all_hooks_idle``: for contrast, the reference design's inert hooks on every module.
+- ``early_exit_*``: a session with ``early_exit=True`` on block 0, the middle block and
+  the last block; ``share_run`` is the time of the same model with the later blocks and
+  the final layer norm removed, as a fraction of the full forward (the ideal ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
+
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2Model
+
+from lightning_iocatch import ModelIOCatcher
+
+
+def median_times(
+    variants: dict[str, Callable[[], object]],
+    repeats: int,
+    around: dict[str, Callable[[], AbstractContextManager[object]]] | None = None,
+) -> dict[str, float]:
+    """Median seconds per call of each variant, interleaved, after one warm-up round.
+
+    ``around[name]`` gives a context entered before and left after each timed call of
+    that variant, outside the timed region (e.g. opening a capture session).
+    """
+    around = around or {}
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    with torch.inference_mode():
+        for round_ in range(repeats + 1):
+            for name, fn in variants.items():
+                with around.get(name, nullcontext)():
+                    start = time.perf_counter()
+                    fn()
+                    elapsed = time.perf_counter() - start
+                if round_:
+                    samples[name].append(elapsed)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+@contextmanager
+def all_module_hooks(model: nn.Module) -> Iterator[None]:
+    """The reference design: a pre-hook and a hook on every module, inert unless armed."""
+    armed: set[str] = set()
+
+    def make(name: str) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            if name in armed:
+                raise AssertionError("never armed here")
+
+        return hook
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(make(name)))
+        handles.append(module.register_forward_hook(make(name)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def idle_and_armed(model: nn.Module, x: torch.Tensor, middle: str, repeats: int) -> dict:
+    catcher = ModelIOCatcher(model, "cpu")
+    with catcher(outputs=[middle]):  # open and close once: nothing may stay behind
+        model(x)
+    session = catcher(outputs=[middle])
+
+    def armed() -> None:  # a forward inside the open session, buffer emptied each time
+        model(x)
+        session.take()
+
+    forward = partial(model, x)
+    variants = {"plain": forward, "idle": forward, "armed": armed, "all_hooks_idle": forward}
+    around = {"armed": lambda: session, "all_hooks_idle": lambda: all_module_hooks(model)}
+    times = median_times(variants, repeats, around=around)
+    plain = times["plain"]
+    return {
+        "modules": sum(1 for _ in model.modules()),
+        "plain_ms": round(plain * 1e3, 3),
+        "idle": round(times["idle"] / plain, 3),
+        "armed": round(times["armed"] / plain, 3),
+        "all_hooks_idle": round(times["all_hooks_idle"] / plain, 3),
+    }
+
+
+def mlp(depth: int, width: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def many_modules(count: int, width: int) -> nn.Sequential:
+    """About ``count`` modules: blocks of Linear, LayerNorm, GELU, Identity."""
+    blocks = [
+        nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU(), nn.Identity())
+        for _ in range(count // 5)
+    ]
+    return nn.Sequential(*blocks)
+
+
+def gpt2(n_layer: int = 12, width: int = 256) -> GPT2Model:
+    config = GPT2Config(
+        n_layer=n_layer,
+        n_embd=width,
+        n_head=8,
+        vocab_size=1024,
+        n_positions=256,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2Model(config).eval()
+
+
+def early_exit(model: GPT2Model, ids: torch.Tensor, repeats: int) -> dict:
+    catcher = ModelIOCatcher(model, "cpu")
+    last = len(model.h) - 1
+
+    def truncated_forward(stop: int) -> Callable[[], object]:
+        """The same model and code path with the blocks after `stop` (and ln_f) removed."""
+        blocks, ln_f = model.h, model.ln_f
+        truncated = nn.ModuleList(blocks[: stop + 1])
+
+        def forward() -> object:
+            model.h, model.ln_f = truncated, nn.Identity()
+            try:
+                return model(ids)
+            finally:
+                model.h, model.ln_f = blocks, ln_f
+
+        return forward
+
+    def cut_at(stop: int) -> Callable[[], object]:
+        session = catcher(outputs=[f"h.{stop}"], early_exit=True)
+
+        def forward() -> None:
+            with session:
+                assert catcher.run(ids) is None
+
+        return forward
+
+    stops = {"block0": 0, "middle": last // 2, "last": last}
+    variants: dict[str, Callable[[], object]] = {"plain": lambda: model(ids)}
+    for label, stop in stops.items():
+        variants[f"early_exit_{label}"] = cut_at(stop)
+        variants[f"share_{label}"] = truncated_forward(stop)
+    times = median_times(variants, repeats)
+    plain = times["plain"]
+    result: dict = {"plain_ms": round(plain * 1e3, 3)}
+    for label in stops:
+        ratio = times[f"early_exit_{label}"] / plain
+        share = times[f"share_{label}"] / plain
+        result[f"early_exit_{label}"] = {
+            "ratio": round(ratio, 3),
+            "share_run": round(share, 3),
+            "excess": round(ratio - share, 3),
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per variant")
+    parser.add_argument("--markdown", action="store_true", help="also print the README table")
+    args = parser.parse_args()
+    repeats = args.repeats or (5 if args.quick else 60)
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    model = gpt2()
+    ids = torch.randint(0, 1024, (4, 128))
+    results = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "mlp_200_layers": idle_and_armed(mlp(200, 256), torch.randn(64, 256), "200", repeats),
+        "model_2000_modules": idle_and_armed(
+            many_modules(2000, 32), torch.randn(16, 32), "200", repeats
+        ),
+        "gpt2_12_blocks": {
+            **idle_and_armed(model, ids, "h.6", repeats),
+            **early_exit(model, ids, repeats),
+        },
+    }
+    print(json.dumps(results, indent=2))
+    if args.markdown:
+        print(markdown_table(results))
+
+
+def markdown_table(results: dict) -> str:
+    """The README's performance table, from the JSON above."""
+    rows = [
+        "| model | plain forward | idle catcher | armed (1 module) | reference-style hooks, idle |"
+    ]
+    rows.append("|---|---|---|---|---|")
+    for key in ("mlp_200_layers", "model_2000_modules", "gpt2_12_blocks"):
+        r = results[key]
+        rows.append(
+            f"| {key} ({r['modules']} modules) | {r['plain_ms']:.1f} ms | {r['idle']:.3f}x "
+            f"| {r['armed']:.3f}x | {r['all_hooks_idle']:.3f}x |"
+        )
+    rows += ["", "| early exit (GPT-2, 12 blocks) | ratio to full forward | share of network run |"]
+    rows.append("|---|---|---|")
+    for label in ("block0", "middle", "last"):
+        r = results["gpt2_12_blocks"][f"early_exit_{label}"]
+        rows.append(f"| after {label} | {r['ratio']:.3f}x | {r['share_run']:.3f} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,16 +11,22 @@ Example:
     1
 """
 
+from lightning_iocatch.callback import IOCaptureCallback
 from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatcher
 from lightning_iocatch.errors import CaptureError, SpecError, UnknownModuleError
+from lightning_iocatch.sinks import BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.spec import CaptureSpec, format_io_spec, parse_io_spec
 from lightning_iocatch.transfer import transfer_to_device
 
 __all__ = [
+    "BatchCaptures",
     "CaptureBuffer",
     "CaptureError",
     "CaptureSession",
+    "CaptureSink",
     "CaptureSpec",
+    "IOCaptureCallback",
+    "MemorySink",
     "ModelIOCatcher",
     "SpecError",
     "UnknownModuleError",

@@ -1,0 +1,319 @@
+"""IOCaptureCallback: capture named submodules in Lightning's validation, test and predict loops.
+
+Lightning's hooks decide when the catcher is armed; the capture itself is the engine's
+(:mod:`lightning_iocatch.catcher`). Hooks exist only while an armed loop runs: they are
+registered when the loop starts and removed when it ends, raises, or the trainer tears
+down, whichever comes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+from typing_extensions import override
+
+from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatcher
+from lightning_iocatch.errors import SpecError
+from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
+from lightning_iocatch.spec import CaptureSpec
+
+__all__ = ["IOCaptureCallback"]
+
+
+def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    parsed = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(parsed, torch.dtype) or not parsed.is_floating_point:
+        raise ValueError(
+            f"`dtype` must be a floating-point torch dtype or its name such as 'float16' or "
+            f"'bfloat16', got {dtype!r}"
+        )
+    return parsed
+
+
+class IOCaptureCallback(Callback):
+    """Capture inputs and outputs of named submodules of the LightningModule.
+
+    Args:
+        spec: what to capture, e.g. ``"outputs[model.layers.5]"`` (see
+            :func:`~lightning_iocatch.parse_io_spec`). Names are those of
+            ``pl_module.named_modules()``: ``model.layers.0`` for ``self.model.layers[0]``.
+        stages: the loops to capture in: ``"validate"`` (``trainer.validate`` and the
+            validation loop of ``trainer.fit``), ``"test"``, ``"predict"``.
+        device: where captured tensors are copied; ``None`` leaves them where they are.
+        dtype: cast captured floating tensors, e.g. ``torch.float16`` or ``"float16"``.
+        early_exit: in predict, stop each forward as soon as everything in ``spec`` has
+            been captured; ``trainer.predict`` then returns one capture dict per batch.
+            Validation and test forwards always run whole.
+        sinks: consumers of each batch's captures (see :class:`CaptureSink`).
+        keep_in_memory: keep the latest run of each stage in :attr:`captures`; by
+            default only when there is no sink.
+        capture_sanity_check: also capture the sanity-check validation before fitting.
+
+    After a run, ``callback.captures[stage][dataloader_idx][name]["outputs"]`` holds one
+    entry per call (the reference buffer layout), and
+    ``callback.batch_indices[stage][dataloader_idx]`` the dataset indices of each batch.
+
+    Example:
+        >>> import lightning.pytorch as pl, torch
+        >>> from torch import nn
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> class Tiny(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        ...     def forward(self, x):
+        ...         return self.model(x)
+        ...     def predict_step(self, batch, batch_idx):
+        ...         return self(batch[0])
+        >>> loader = DataLoader(TensorDataset(torch.randn(10, 4)), batch_size=5)
+        >>> callback = IOCaptureCallback("outputs[model.1]", early_exit=True)
+        >>> trainer = pl.Trainer(callbacks=[callback], logger=False, enable_progress_bar=False,
+        ...                      enable_model_summary=False, accelerator="cpu")
+        >>> batches = trainer.predict(Tiny(), loader)
+        >>> [b["model.1"]["outputs"][0].shape for b in batches]
+        [torch.Size([5, 8]), torch.Size([5, 8])]
+        >>> callback.batch_indices["predict"][0]
+        [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)]
+    """
+
+    def __init__(
+        self,
+        spec: str,
+        *,
+        stages: Sequence[str] = ("validate", "predict"),
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = None,
+        early_exit: bool = False,
+        sinks: Sequence[CaptureSink] = (),
+        keep_in_memory: bool | None = None,
+        capture_sanity_check: bool = False,
+    ) -> None:
+        self.spec = CaptureSpec.parse(spec)
+        if self.spec.is_empty:
+            raise SpecError(
+                f"`spec` {spec!r} selects no module; write e.g. 'outputs[model.layers.0]'"
+            )
+        if isinstance(stages, str):
+            stages = (stages,)
+        unknown = [stage for stage in stages if stage not in STAGES]
+        if unknown or not stages:
+            raise ValueError(
+                f"`stages` must be a non-empty subset of {STAGES}, got {tuple(stages)!r}"
+            )
+        if early_exit and "predict" not in stages:
+            raise ValueError(
+                "`early_exit=True` applies to the predict loop only (validation and test steps "
+                "need the model's output), but `stages` has no 'predict': add it, or drop "
+                "`early_exit`"
+            )
+        for sink in sinks:
+            if not isinstance(sink, CaptureSink):
+                raise TypeError(
+                    f"`sinks` must hold CaptureSink instances, got {type(sink).__name__}"
+                )
+        self.stages = tuple(dict.fromkeys(stages))
+        self.device = torch.device(device) if device is not None else None
+        self.dtype = _parse_dtype(dtype)
+        self.early_exit = early_exit
+        self.capture_sanity_check = capture_sanity_check
+        self._memory = (
+            MemorySink() if keep_in_memory or (keep_in_memory is None and not sinks) else None
+        )
+        self._sinks: list[CaptureSink] = [*sinks, *([self._memory] if self._memory else [])]
+        self._catcher: ModelIOCatcher | None = None
+        self._session: CaptureSession | None = None
+        self._stage: str | None = None
+        self._restore_predict_step: Callable[[], None] | None = None
+        self._step_captures: CaptureBuffer | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(spec=self.spec.to_string(), stages=self.stages)
+
+    @property
+    def captures(self) -> dict[str, dict[int, CaptureBuffer]]:
+        """``captures[stage][dataloader_idx]``: the latest run of each stage, if kept in memory."""
+        return self._memory.captures if self._memory else {}
+
+    @property
+    def batch_indices(self) -> dict[str, dict[int, list[tuple[int, ...] | None]]]:
+        """``batch_indices[stage][dataloader_idx]``: dataset indices of each captured batch."""
+        return self._memory.indices if self._memory else {}
+
+    # Lightning hooks: each hands off to a private helper.
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "validate" in self.stages:
+            self._catcher_for(pl_module).for_product(self.spec)  # unknown names fail here
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking or self.capture_sanity_check:
+            self._start("validate", trainer, pl_module)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start("test", trainer, pl_module)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start("predict", trainer, pl_module)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_end("validate", trainer, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_end("test", trainer, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_end("predict", trainer, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end("validate", trainer, pl_module)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end("test", trainer, pl_module)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end("predict", trainer, pl_module)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        stage = self._stage
+        self._close()
+        if stage is not None:
+            for sink in self._sinks:
+                sink.on_exception(stage, exception)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close()
+
+    # The work.
+
+    def _catcher_for(self, pl_module: pl.LightningModule) -> ModelIOCatcher:
+        if self._catcher is None or self._catcher.model is not pl_module:
+            self._catcher = ModelIOCatcher(pl_module, self.device, dtype=self.dtype)
+        return self._catcher
+
+    def _start(self, stage: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if stage not in self.stages:
+            return
+        self._close()  # a loop that never reached its end hook leaves nothing behind
+        catcher = self._catcher_for(pl_module)
+        early_exit = self.early_exit and stage == "predict"
+        session = catcher.for_product(self.spec, early_exit=early_exit)
+        for sink in self._sinks:
+            sink.on_loop_start(trainer, pl_module, stage)
+        session.open()
+        self._session, self._stage = session, stage
+        if early_exit:
+            self._wrap_predict_step(pl_module, catcher, session)
+
+    def _wrap_predict_step(
+        self, pl_module: pl.LightningModule, catcher: ModelIOCatcher, session: CaptureSession
+    ) -> None:
+        """Route ``predict_step`` through ``catcher.call`` so the stop signal never escapes."""
+        own = vars(pl_module).get("predict_step")
+        original = pl_module.predict_step
+
+        def predict_step(*args: Any, **kwargs: Any) -> CaptureBuffer:
+            catcher.call(original, *args, **kwargs)
+            self._step_captures = session.take()
+            return self._step_captures
+
+        def restore() -> None:
+            if own is None:
+                del pl_module.predict_step
+            else:
+                setattr(pl_module, "predict_step", own)  # noqa: B010
+
+        setattr(pl_module, "predict_step", predict_step)  # noqa: B010
+        self._restore_predict_step = restore
+
+    def _batch_end(
+        self, stage: str, trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int
+    ) -> None:
+        if self._session is None or self._stage != stage:
+            return
+        captures, self._step_captures = self._step_captures or self._session.take(), None
+        indices = _dataset_indices(trainer, stage, batch_idx, dataloader_idx)
+        record = BatchCaptures(stage, batch_idx, dataloader_idx, captures, indices, batch)
+        for sink in self._sinks:
+            sink.on_batch(record)
+
+    def _end(self, stage: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stage != stage:
+            return
+        self._close()
+        for sink in self._sinks:
+            sink.on_loop_end(trainer, pl_module, stage)
+
+    def _close(self) -> None:
+        """Remove the hooks and restore ``predict_step``; safe to call at any time."""
+        session, self._session, self._stage = self._session, None, None
+        restore, self._restore_predict_step = self._restore_predict_step, None
+        self._step_captures = None
+        try:
+            if restore is not None:
+                restore()
+        finally:
+            if session is not None:
+                session.close()
+
+
+def _dataset_indices(
+    trainer: pl.Trainer, stage: str, batch_idx: int, dataloader_idx: int
+) -> tuple[int, ...] | None:
+    """The dataset indices of a batch, where Lightning records them (the predict loop)."""
+    if stage != "predict":
+        return None
+    combined = trainer.predict_loop._combined_loader
+    if combined is None:
+        return None
+    sampler = getattr(combined.flattened[dataloader_idx], "batch_sampler", None)
+    if not isinstance(sampler, _IndexBatchSamplerWrapper):
+        return None
+    seen = sampler.seen_batch_indices
+    return tuple(seen[batch_idx]) if batch_idx < len(seen) else None

@@ -1,0 +1,102 @@
+"""Tiny LightningModules and data for driving a real Trainer in tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.conftest import Counter, hook_count
+
+WIDTH = 8
+
+
+class TinyNet(nn.Module):
+    """``layers.{i}`` Linear+Tanh blocks and a counting ``tail``."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(depth)
+        )
+        self.tail = Counter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.tail(x)
+
+
+class TinyModule(pl.LightningModule):
+    """``self.model`` is a :class:`TinyNet`; names are ``model.layers.{i}``."""
+
+    def __init__(self, model: nn.Module | None = None, fail_at_batch: int | None = None) -> None:
+        super().__init__()
+        self.model = model if model is not None else TinyNet()
+        self.head = nn.Linear(WIDTH, 1)
+        self.fail_at_batch = fail_at_batch
+        self.hooks_seen_in_training: list[int] = []
+        self.val_losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.model(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.hooks_seen_in_training.append(hook_count(self))
+        x, y = batch
+        return nn.functional.mse_loss(self(x).squeeze(-1), y)
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).squeeze(-1), y)
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss)
+
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.validation_step(batch, batch_idx, dataloader_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        if batch_idx == self.fail_at_batch:
+            raise RuntimeError("boom in predict_step")
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def dataset(n: int = 20, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(
+        torch.randn(n, WIDTH, generator=generator), torch.randn(n, generator=generator)
+    )
+
+
+def loader(n: int = 20, batch_size: int = 6, seed: int = 0) -> DataLoader:
+    return DataLoader(dataset(n, seed), batch_size=batch_size)
+
+
+def trainer(callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_epochs=1,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+def manual_outputs(module: TinyModule, x: torch.Tensor) -> list[torch.Tensor]:
+    """Outputs of each ``model.layers.{i}``, by hand."""
+    outs = []
+    with torch.no_grad():
+        for layer in module.model.layers:
+            x = layer(x)
+            outs.append(x)
+    return outs

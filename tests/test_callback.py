@@ -204,9 +204,7 @@ def test_sinks_receive_batches_and_memory_is_off_by_default_then() -> None:
     assert callback.captures == {}
     kept = IOCaptureCallback("outputs[model.layers.0]", sinks=[Recorder()], keep_in_memory=True)
     trainer([kept]).predict(TinyModule(), loader(8, 5))
-    assert (
-        kept.captures["predict"][0]["model.layers.0"]["outputs"][0].dtype == torch.float16 or True
-    )
+    assert len(kept.captures["predict"][0]["model.layers.0"]["outputs"]) == 2
 
 
 def test_dtype_and_device_options() -> None:

@@ -13,10 +13,12 @@ Example:
 
 from lightning_iocatch.callback import IOCaptureCallback
 from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatcher
-from lightning_iocatch.errors import CaptureError, SpecError, UnknownModuleError
+from lightning_iocatch.errors import CaptureError, SpecError, StoreError, UnknownModuleError
 from lightning_iocatch.sinks import BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.spec import CaptureSpec, format_io_spec, parse_io_spec
+from lightning_iocatch.store import FeatureStore
 from lightning_iocatch.transfer import transfer_to_device
+from lightning_iocatch.writer import FeatureWriter
 
 __all__ = [
     "BatchCaptures",
@@ -25,10 +27,13 @@ __all__ = [
     "CaptureSession",
     "CaptureSink",
     "CaptureSpec",
+    "FeatureStore",
+    "FeatureWriter",
     "IOCaptureCallback",
     "MemorySink",
     "ModelIOCatcher",
     "SpecError",
+    "StoreError",
     "UnknownModuleError",
     "format_io_spec",
     "parse_io_spec",

@@ -8,6 +8,7 @@ down, whichever comes first.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatc
 from lightning_iocatch.errors import SpecError
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.spec import CaptureSpec
+from lightning_iocatch.writer import FeatureWriter
 
 __all__ = ["IOCaptureCallback"]
 
@@ -51,7 +53,9 @@ class IOCaptureCallback(Callback):
         early_exit: in predict, stop each forward as soon as everything in ``spec`` has
             been captured; ``trainer.predict`` then returns one capture dict per batch.
             Validation and test forwards always run whole.
-        sinks: consumers of each batch's captures (see :class:`CaptureSink`).
+        writer: a :class:`~lightning_iocatch.FeatureWriter`, or a directory for one, that
+            dumps the predict loop's captures to disk.
+        sinks: further consumers of each batch's captures (see :class:`CaptureSink`).
         keep_in_memory: keep the latest run of each stage in :attr:`captures`; by
             default only when there is no sink.
         capture_sanity_check: also capture the sanity-check validation before fitting.
@@ -91,6 +95,7 @@ class IOCaptureCallback(Callback):
         device: str | torch.device | None = "cpu",
         dtype: str | torch.dtype | None = None,
         early_exit: bool = False,
+        writer: FeatureWriter | str | os.PathLike[str] | None = None,
         sinks: Sequence[CaptureSink] = (),
         keep_in_memory: bool | None = None,
         capture_sanity_check: bool = False,
@@ -113,7 +118,16 @@ class IOCaptureCallback(Callback):
                 "need the model's output), but `stages` has no 'predict': add it, or drop "
                 "`early_exit`"
             )
+        if writer is not None:
+            writer = writer if isinstance(writer, FeatureWriter) else FeatureWriter(writer)
+            if "predict" not in stages:
+                raise ValueError(
+                    "`writer` dumps the predict loop, but `stages` has no 'predict': add it"
+                )
+            sinks = [writer, *sinks]
         for sink in sinks:
+            if isinstance(sink, FeatureWriter):
+                sink.spec = self.spec.to_string()
             if not isinstance(sink, CaptureSink):
                 raise TypeError(
                     f"`sinks` must hold CaptureSink instances, got {type(sink).__name__}"
@@ -132,6 +146,7 @@ class IOCaptureCallback(Callback):
         self._stage: str | None = None
         self._restore_predict_step: Callable[[], None] | None = None
         self._step_captures: CaptureBuffer | None = None
+        self._skip_step = False
 
     @property
     @override
@@ -167,6 +182,17 @@ class IOCaptureCallback(Callback):
     @override
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start("predict", trainer, pl_module)
+
+    @override
+    def on_predict_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._decide_skip(trainer, batch_idx, dataloader_idx)
 
     @override
     def on_validation_batch_end(
@@ -248,18 +274,26 @@ class IOCaptureCallback(Callback):
             sink.on_loop_start(trainer, pl_module, stage)
         session.open()
         self._session, self._stage = session, stage
-        if early_exit:
+        if stage == "predict":
             self._wrap_predict_step(pl_module, catcher, session)
 
     def _wrap_predict_step(
         self, pl_module: pl.LightningModule, catcher: ModelIOCatcher, session: CaptureSession
     ) -> None:
-        """Route ``predict_step`` through ``catcher.call`` so the stop signal never escapes."""
+        """Route ``predict_step`` through ``catcher.call`` for the predict loop.
+
+        The stop signal of early exit never escapes it; with early exit the step returns
+        the batch's captures. A batch every sink already has is not computed (``None``).
+        """
         own = vars(pl_module).get("predict_step")
         original = pl_module.predict_step
 
-        def predict_step(*args: Any, **kwargs: Any) -> CaptureBuffer:
-            catcher.call(original, *args, **kwargs)
+        def predict_step(*args: Any, **kwargs: Any) -> Any:
+            if self._skip_step:
+                return None
+            result = catcher.call(original, *args, **kwargs)
+            if not session.early_exit:
+                return result
             self._step_captures = session.take()
             return self._step_captures
 
@@ -272,10 +306,18 @@ class IOCaptureCallback(Callback):
         setattr(pl_module, "predict_step", predict_step)  # noqa: B010
         self._restore_predict_step = restore
 
+    def _decide_skip(self, trainer: pl.Trainer, batch_idx: int, dataloader_idx: int) -> None:
+        indices = _dataset_indices(trainer, "predict", batch_idx, dataloader_idx)
+        self._skip_step = (
+            self._stage == "predict"
+            and bool(self._sinks)
+            and all(sink.skip_batch("predict", dataloader_idx, indices) for sink in self._sinks)
+        )
+
     def _batch_end(
         self, stage: str, trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int
     ) -> None:
-        if self._session is None or self._stage != stage:
+        if self._session is None or self._stage != stage or self._skip_step:
             return
         captures, self._step_captures = self._step_captures or self._session.take(), None
         indices = _dataset_indices(trainer, stage, batch_idx, dataloader_idx)
@@ -295,6 +337,7 @@ class IOCaptureCallback(Callback):
         session, self._session, self._stage = self._session, None, None
         restore, self._restore_predict_step = self._restore_predict_step, None
         self._step_captures = None
+        self._skip_step = False
         try:
             if restore is not None:
                 restore()

@@ -5,7 +5,7 @@ Every error names the offending input, what was expected, and how to fix it.
 
 from __future__ import annotations
 
-__all__ = ["CaptureError", "SpecError", "UnknownModuleError"]
+__all__ = ["CaptureError", "SpecError", "StoreError", "UnknownModuleError"]
 
 
 class SpecError(ValueError):
@@ -21,3 +21,7 @@ class UnknownModuleError(KeyError):
 
 class CaptureError(RuntimeError):
     """A capture session is used the wrong way (nested sessions, early exit outside ``run``)."""
+
+
+class StoreError(RuntimeError):
+    """A feature store on disk is missing, incomplete, corrupted, or cannot be written."""

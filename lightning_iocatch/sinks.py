@@ -57,6 +57,13 @@ class CaptureSink:
     def on_loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """An armed loop starts; ``stage`` is one of :data:`STAGES`."""
 
+    def skip_batch(self, stage: str, dataloader_idx: int, indices: tuple[int, ...] | None) -> bool:
+        """Whether this sink already has the batch (e.g. a resumed dump).
+
+        In predict, a batch that every sink skips is not computed at all.
+        """
+        return False
+
     def on_batch(self, batch: BatchCaptures) -> None:
         """One batch's captures, right after the step that produced them."""
 

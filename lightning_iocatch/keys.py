@@ -1,0 +1,60 @@
+"""The flat key of every captured tensor: ``{module}/{inputs|outputs}[/{path}]``.
+
+One function names captured values for the feature store, the probes' metric names and
+the CLI alike. The path walks the captured structure: tuple and list positions, mapping
+keys and dataclass fields, e.g. ``model.h.0/outputs/0``, ``model.h.0/inputs/args/0``,
+``model.h.0/inputs/kwargs/attention_mask``. A module called more than once in one forward
+gets ``@{call}`` after the kind for every call after the first: ``block/outputs@1``.
+Leaves that are not tensors (``None``, flags, strings) have no key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from lightning_iocatch.catcher import CaptureBuffer
+
+__all__ = ["flatten_captures", "flatten_value"]
+
+
+def flatten_value(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, tensor)`` for every tensor inside ``value``, keys starting with ``prefix``.
+
+    Example:
+        >>> x = torch.zeros(1)
+        >>> [k for k, _ in flatten_value({"args": (x,), "kwargs": {"mask": x}}, "m/inputs")]
+        ['m/inputs/args/0', 'm/inputs/kwargs/mask']
+    """
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from flatten_value(item, f"{prefix}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for position, item in enumerate(value):
+            yield from flatten_value(item, f"{prefix}/{position}")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from flatten_value(getattr(value, field.name), f"{prefix}/{field.name}")
+
+
+def flatten_captures(captures: CaptureBuffer) -> dict[str, torch.Tensor]:
+    """Every captured tensor of one batch under its flat key.
+
+    Example:
+        >>> buf = CaptureBuffer.empty(["h.0"])
+        >>> buf["h.0"]["outputs"].append((torch.zeros(2, 3), None))
+        >>> {k: tuple(v.shape) for k, v in flatten_captures(buf).items()}
+        {'h.0/outputs/0': (2, 3)}
+    """
+    flat: dict[str, torch.Tensor] = {}
+    for name, kinds in captures.items():
+        for kind, entries in kinds.items():
+            for call, entry in enumerate(entries):
+                prefix = f"{name}/{kind}" if call == 0 else f"{name}/{kind}@{call}"
+                flat.update(flatten_value(entry, prefix))
+    return flat

@@ -82,6 +82,9 @@ class FeatureWriter(CaptureSink):
         max_shard_bytes: a shard is committed once it holds this many bytes.
         dtype: cast floating tensors for storage (e.g. ``torch.float16``).
         queue_size: batches waiting for the writer thread before ``on_batch`` blocks.
+        durable: fsync every shard before it is renamed and recorded, so a committed shard
+            survives a machine crash. ``False`` keeps the atomic rename and the ledger (a
+            killed process still loses nothing committed) but leaves flushing to the OS.
         stage: the loop whose captures are written (``"predict"``; others are ignored).
 
     Every captured tensor must have one row per sample (the batch dimension first).
@@ -102,6 +105,7 @@ class FeatureWriter(CaptureSink):
         max_shard_bytes: int = 256 << 20,
         dtype: torch.dtype | None = None,
         queue_size: int = 4,
+        durable: bool = True,
         stage: str = "predict",
     ) -> None:
         if mode not in MODES:
@@ -117,11 +121,13 @@ class FeatureWriter(CaptureSink):
         self.max_shard_bytes = max_shard_bytes
         self.dtype = dtype
         self.queue_size = queue_size
+        self.durable = durable
         self.stage = stage
         self.spec: str | None = None  # set by IOCaptureCallback
         self._committed: dict[int, set[int]] = {}
         self._queue: queue.Queue[Any] | None = None
-        self._thread: threading.Thread | None = None
+        self._commits: queue.Queue[Any] | None = None
+        self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
         self._rank = 0
         self._next_seq = 0
@@ -136,11 +142,7 @@ class FeatureWriter(CaptureSink):
         self._rank = trainer.global_rank
         self._prepare_directory(trainer)
         self._error = None
-        self._queue = queue.Queue(maxsize=self.queue_size)
-        self._thread = threading.Thread(
-            target=self._drain, name=f"iocatch-writer-r{self._rank}", daemon=True
-        )
-        self._thread.start()
+        self._start_threads()
 
     def skip_batch(self, stage: str, dataloader_idx: int, indices: tuple[int, ...] | None) -> bool:
         if stage != self.stage or not indices:
@@ -261,36 +263,39 @@ class FeatureWriter(CaptureSink):
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return _Batch(BatchRecord(batch.dataloader_idx, batch.batch_idx, rows), tensors, nbytes)
 
-    # The writer thread
+    # The writer threads: one serializes shards to .tmp files, the other makes each durable
+    # (fsync, checksum, rename, ledger line) while the next one is being serialized.
 
-    def _drain(self) -> None:
-        assert self._queue is not None
+    def _start_threads(self) -> None:
+        self._queue = queue.Queue(maxsize=self.queue_size)
+        self._commits = queue.Queue(maxsize=1)
+        self._threads = [
+            threading.Thread(target=self._serialize_loop, name=f"iocatch-shards-r{self._rank}"),
+            threading.Thread(target=self._commit_loop, name=f"iocatch-commits-r{self._rank}"),
+        ]
+        for thread in self._threads:
+            thread.daemon = True
+            thread.start()
+
+    def _serialize_loop(self) -> None:
+        assert self._queue is not None and self._commits is not None
         pending: list[_Batch] = []
         size = 0
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                break
+        while (item := self._queue.get()) is not _STOP:
             if self._error is not None:
                 continue  # keep draining so that the producer never blocks forever
             pending.append(item)
             size += item.nbytes
             if size >= self.max_shard_bytes:
-                self._commit_or_record_error(pending)
+                self._serialize(pending)
                 pending, size = [], 0
         if pending and self._error is None:
-            self._commit_or_record_error(pending)
+            self._serialize(pending)
+        self._commits.put(_STOP)
 
-    def _commit_or_record_error(self, batches: list[_Batch]) -> None:
-        try:
-            self._commit(batches)
-        except BaseException as error:  # handed to the main thread by _raise_thread_error
-            self._error = error
-
-    def _commit(self, batches: list[_Batch]) -> None:
-        name = shard_name(self._rank, self._next_seq)
-        final = self.path / name
-        tmp = final.with_name(name + ".tmp")
+    def _serialize(self, batches: list[_Batch]) -> None:
+        assert self._commits is not None
+        tmp = self.path / (shard_name(self._rank, self._next_seq) + ".tmp")
         tensors = {
             f"b{position}/{key}": tensor
             for position, batch in enumerate(batches)
@@ -298,13 +303,37 @@ class FeatureWriter(CaptureSink):
         }
         try:
             save_file(tensors, str(tmp), metadata={"format": FORMAT, "rank": str(self._rank)})
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
-            crc = file_crc32(tmp)
-            os.replace(tmp, final)
-            fsync_dir(self.path)
         except (OSError, SafetensorError) as error:
             tmp.unlink(missing_ok=True)
+            self._error = StoreError(f"could not write shard {tmp}: {error}")
+            return
+        self._next_seq += 1
+        self._commits.put((tmp, batches))
+
+    def _commit_loop(self) -> None:
+        assert self._commits is not None
+        while (item := self._commits.get()) is not _STOP:
+            tmp, batches = item
+            if self._error is not None:
+                tmp.unlink(missing_ok=True)
+                continue
+            try:
+                self._commit(tmp, batches)
+            except BaseException as error:  # handed to the main thread by _raise_thread_error
+                tmp.unlink(missing_ok=True)
+                self._error = error
+
+    def _commit(self, tmp: Path, batches: list[_Batch]) -> None:
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        try:
+            if self.durable:
+                with open(tmp, "rb+") as handle:
+                    os.fsync(handle.fileno())
+            crc = file_crc32(tmp)
+            os.replace(tmp, final)
+            if self.durable:
+                fsync_dir(self.path)
+        except OSError as error:
             raise StoreError(f"could not write shard {tmp}: {error}") from error
         keys = {
             key: str(tensor.dtype).removeprefix("torch.")
@@ -313,7 +342,7 @@ class FeatureWriter(CaptureSink):
             if key != INDEX_KEY
         }
         record = ShardRecord(
-            file=name,
+            file=final.name,
             rank=self._rank,
             bytes=final.stat().st_size,
             crc32=crc,
@@ -326,17 +355,17 @@ class FeatureWriter(CaptureSink):
             raise StoreError(
                 f"shard {final} was written but its ledger line could not be: {error}"
             ) from error
-        self._next_seq += 1
         self.rows_written += sum(batch.record.rows for batch in batches)
         self.bytes_written += record.bytes
 
     def _finish(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is None or self._queue is None:
+        threads, self._threads = self._threads, []
+        if not threads or self._queue is None:
             return
         self._queue.put(_STOP)
-        thread.join()
-        self._queue = None
+        for thread in threads:
+            thread.join()
+        self._queue = self._commits = None
 
     def _raise_thread_error(self) -> None:
         if self._error is not None:

@@ -35,3 +35,10 @@ def test_overhead_benchmark_runs() -> None:
 def test_predict_benchmark_runs() -> None:
     results = run_json("predict.py")
     assert 0 < results["early_exit_block0"] < 1
+
+
+@pytest.mark.slow
+def test_dump_benchmark_runs() -> None:
+    results = run_json("dump.py")
+    assert results["write_throughput"]["ratio"] > 0
+    assert results["peak_rss"]["20_shards"]["bytes"] > results["peak_rss"]["1_shards"]["bytes"]

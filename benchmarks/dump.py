@@ -1,0 +1,225 @@
+"""Predict-loop dumps through FeatureWriter: throughput, predict slowdown, peak memory.
+
+    python benchmarks/dump.py [--quick]
+
+Prints JSON with, in one run:
+
+- ``write_throughput``: bytes per second of FeatureWriter (checksum, atomic rename, ledger)
+  writing a stream of captured batches, against ``safetensors.torch.save_file`` writing
+  the same tensors in the same shard sizes (target ratio >= 0.8). Both ways twice: as
+  they come (``save_file`` leaves the data in the page cache; ``durable=False``), and
+  durable (``save_file`` then ``os.fsync``; the default ``durable=True``);
+- ``predict_slowdown``: ``trainer.predict`` of a 12-block GPT-2-style model dumping the
+  output of block 6, against the same predict without the callback;
+- ``peak_rss``: peak RSS of a fresh process dumping 1 shard's worth of data and one
+  dumping 20 shards' worth (it must not grow with the data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from transformers import GPT2Config, GPT2Model
+
+from lightning_iocatch import CaptureBuffer, FeatureWriter, IOCaptureCallback
+from lightning_iocatch.sinks import BatchCaptures
+
+QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def fresh(directory: Path) -> Path:
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    return directory
+
+
+def write_throughput(root: Path, batches: int, shard_bytes: int, repeats: int) -> dict[str, Any]:
+    """FeatureWriter against plain save_file on identical tensors and shard sizes."""
+    data = [torch.randn(32, 128, 768) for _ in range(batches)]  # 12.6 MB a batch
+    indices = tuple(range(32))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, **QUIET)  # rank and barrier only
+
+    def ours(durable: bool) -> float:
+        writer = FeatureWriter(fresh(root / "ours"), max_shard_bytes=shard_bytes, durable=durable)
+        start = time.perf_counter()
+        writer.on_loop_start(trainer, None, "predict")  # type: ignore[arg-type]
+        for batch_idx, batch in enumerate(data):
+            captures = CaptureBuffer({"h.6": {"inputs": [], "outputs": [batch]}})
+            writer.on_batch(BatchCaptures("predict", batch_idx, 0, captures, indices))
+        writer.on_loop_end(trainer, None, "predict")  # type: ignore[arg-type]
+        return time.perf_counter() - start
+
+    def plain(durable: bool) -> float:
+        directory = fresh(root / "plain")
+        per_shard = max(1, shard_bytes // (data[0].numel() * 4))
+        start = time.perf_counter()
+        for shard in range(0, batches, per_shard):
+            chunk = data[shard : shard + per_shard]
+            tensors = {f"b{j}/h.6/outputs": batch for j, batch in enumerate(chunk)}
+            path = directory / f"{shard}.safetensors"
+            save_file(tensors, str(path))
+            if durable:
+                with open(path, "rb+") as handle:
+                    os.fsync(handle.fileno())
+        return time.perf_counter() - start
+
+    variants = {
+        "feature_writer": lambda: ours(False),
+        "save_file": lambda: plain(False),
+        "feature_writer_durable": lambda: ours(True),
+        "save_file_fsync": lambda: plain(True),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            samples[name].append(run())
+    total = batches * data[0].numel() * 4
+    rate = {name: total / statistics.median(times) / 1e6 for name, times in samples.items()}
+    return {
+        "bytes": total,
+        **{f"{name}_MBps": round(value, 1) for name, value in rate.items()},
+        "ratio": round(rate["feature_writer"] / rate["save_file"], 3),
+        "ratio_durable": round(rate["feature_writer_durable"] / rate["save_file_fsync"], 3),
+    }
+
+
+class Encoder(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        config = GPT2Config(
+            n_layer=12, n_embd=256, n_head=8, vocab_size=1024, bos_token_id=0, eos_token_id=0
+        )
+        self.model = GPT2Model(config).eval()
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch[0]).last_hidden_state
+
+
+def predict_slowdown(root: Path, repeats: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = Encoder()
+    loader = DataLoader(TensorDataset(torch.randint(0, 1024, (64, 128))), batch_size=4)
+
+    def run(with_writer: bool) -> float:
+        callbacks = []
+        if with_writer:
+            writer = FeatureWriter(fresh(root / "predict"))
+            callbacks = [IOCaptureCallback("outputs[model.h.6]", writer=writer)]
+        trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=callbacks, **QUIET)
+        start = time.perf_counter()
+        trainer.predict(module, loader, return_predictions=False)
+        return time.perf_counter() - start
+
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    for round_ in range(repeats + 1):
+        for with_writer in (False, True):
+            elapsed = run(with_writer)
+            if round_:
+                samples[with_writer].append(elapsed)
+    plain, dumped = (statistics.median(samples[flag]) for flag in (False, True))
+    return {
+        "batches": len(loader),
+        "plain_s": round(plain, 3),
+        "with_writer_s": round(dumped, 3),
+        "ratio": round(dumped / plain, 3),
+    }
+
+
+class RandomRows(Dataset[torch.Tensor]):
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.randn(256, generator=torch.Generator().manual_seed(index))
+
+
+class Widen(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.widen = nn.Linear(256, 2048)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.widen(batch)
+
+
+def rss_child(path: str, shards: int, shard_bytes: int) -> None:
+    """Dump ``shards`` shards' worth of (64, 2048) float32 rows, then print peak RSS in MiB."""
+    rows = shards * shard_bytes // (2048 * 4)
+    writer = FeatureWriter(path, max_shard_bytes=shard_bytes)
+    callback = IOCaptureCallback("outputs[widen]", writer=writer)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[callback], **QUIET)
+    trainer.predict(Widen(), DataLoader(RandomRows(rows), batch_size=64), return_predictions=False)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"rows": rows, "bytes": writer.bytes_written, "peak_rss_MiB": peak_kib >> 10}))
+
+
+def peak_rss(root: Path, shard_bytes: int) -> dict[str, Any]:
+    results = {}
+    for shards in (1, 20):
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--rss-child",
+                str(fresh(root / f"rss{shards}")),
+                str(shards),
+                str(shard_bytes),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        results[f"{shards}_shards"] = json.loads(out.strip().splitlines()[-1])
+    one, twenty = results["1_shards"]["peak_rss_MiB"], results["20_shards"]["peak_rss_MiB"]
+    return {**results, "shard_bytes": shard_bytes, "growth_MiB": twenty - one}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    parser.add_argument("--rss-child", nargs=3, metavar=("PATH", "SHARDS", "SHARD_BYTES"))
+    args = parser.parse_args()
+    if args.rss_child:
+        path, shards, shard_bytes = args.rss_child
+        rss_child(path, int(shards), int(shard_bytes))
+        return
+    root = Path(tempfile.mkdtemp(prefix="iocatch-bench-"))
+    try:
+        results = {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "write_throughput": write_throughput(
+                root,
+                batches=8 if args.quick else 40,
+                shard_bytes=64 << 20,
+                repeats=1 if args.quick else 5,
+            ),
+            "predict_slowdown": predict_slowdown(root, repeats=1 if args.quick else 5),
+            "peak_rss": peak_rss(root, shard_bytes=(2 if args.quick else 32) << 20),
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

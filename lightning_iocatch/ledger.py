@@ -93,6 +93,7 @@ class ShardRecord:
     crc32: int
     batches: tuple[BatchRecord, ...]
     keys: dict[str, str]  # key -> dtype
+    shapes: dict[str, list[int] | None]  # key -> shape of a row; None where batches differ
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

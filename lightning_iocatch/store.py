@@ -56,14 +56,22 @@ class FeatureStore:
         self.dataloader_idx = dataloader_idx
         self._batches: list[_BatchLocation] = []
         self._dtypes: dict[str, str] = {}
+        self._shapes: dict[str, list[int] | None] = {}
         for record in self._records:
             shard = self._checked_shard(record)
             for position, batch in enumerate(record.batches):
                 if batch.dataloader_idx == dataloader_idx:
                     self._batches.append(_BatchLocation(shard, position, batch.rows))
-                    self._dtypes.update(record.keys)
+                    self._note_keys(record)
         self._row_indices = self._read_indices()
         self._order = torch.argsort(self._row_indices, stable=True)
+
+    def _note_keys(self, record: ShardRecord) -> None:
+        self._dtypes.update(record.keys)
+        for key, shape in record.shapes.items():
+            known = self._shapes.setdefault(key, shape)
+            if known != shape:
+                self._shapes[key] = None
 
     def _checked_shard(self, record: ShardRecord) -> Path:
         shard = self.path / record.file
@@ -96,10 +104,16 @@ class FeatureStore:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """``store.json`` plus what the ledgers say: shards, ranks, keys and dtypes, bytes."""
+        """``store.json`` plus what the ledgers say: keys (dtype, row shape), shards, ranks, bytes.
+
+        A key's ``shape`` is that of one row, ``None`` where batches differ.
+        """
         return {
             **self._info,
-            "keys": dict(sorted(self._dtypes.items())),
+            "keys": {
+                key: {"dtype": self._dtypes[key], "shape": self._shapes.get(key)}
+                for key in self.keys()
+            },
             "shards": [record.file for record in self._records],
             "ranks": sorted({record.rank for record in self._records}),
             "bytes": sum(record.bytes for record in self._records),

@@ -71,6 +71,16 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def _row_shapes(batches: list[_Batch]) -> dict[str, list[int] | None]:
+    """The shape of one row of each key, or ``None`` where batches disagree."""
+    shapes: dict[str, set[tuple[int, ...]]] = {}
+    for batch in batches:
+        for key, tensor in batch.tensors.items():
+            if key != INDEX_KEY:
+                shapes.setdefault(key, set()).add(tuple(tensor.shape[1:]))
+    return {key: list(next(iter(seen))) if len(seen) == 1 else None for key, seen in shapes.items()}
+
+
 class FeatureWriter(CaptureSink):
     """Write predict-loop captures to ``path`` as safetensors shards plus JSON metadata.
 
@@ -348,6 +358,7 @@ class FeatureWriter(CaptureSink):
             crc32=crc,
             batches=tuple(batch.record for batch in batches),
             keys=keys,
+            shapes=_row_shapes(batches),
         )
         try:
             append_ledger(self.path / ledger_name(self._rank), record)

@@ -40,7 +40,10 @@ def test_dump_round_trips_in_dataset_order(tmp_path: Path) -> None:
     assert torch.equal(store["head/inputs/args/0"], expected[2])
     meta = store.metadata
     assert meta["spec"] == SPEC and meta["stage"] == "predict" and meta["rows"] == 30
-    assert meta["keys"] == {"head/inputs/args/0": "float32", "model.layers.1/outputs": "float32"}
+    assert meta["keys"] == {
+        "head/inputs/args/0": {"dtype": "float32", "shape": [8]},
+        "model.layers.1/outputs": {"dtype": "float32", "shape": [8]},
+    }
     assert set(meta["libraries"]) == {"torch", "lightning", "safetensors", "lightning-iocatch"}
     assert len(meta["shards"]) > 1 and meta["ranks"] == [0]
     assert store.duplicated_indices() == [] and store.missing_indices(30) == []
@@ -136,6 +139,7 @@ def test_variable_sequence_length_is_readable_per_batch(tmp_path: Path) -> None:
     store = FeatureStore(tmp_path)
     with pytest.raises(StoreError, match="read it per batch with store.batches"):
         store["model/outputs"]
+    assert store.metadata["keys"]["model/outputs"] == {"dtype": "float32", "shape": None}
     for number, (indices, rows) in enumerate(store.batches("model/outputs")):
         assert indices.tolist() == [2 * number, 2 * number + 1]
         assert torch.equal(rows, module.model(ids[indices, : 2 + number]))

@@ -15,11 +15,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
 from typing_extensions import override
 
 from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatcher
 from lightning_iocatch.errors import SpecError
+from lightning_iocatch.indices import BatchIndexer
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.spec import CaptureSpec
 from lightning_iocatch.writer import FeatureWriter
@@ -147,6 +147,7 @@ class IOCaptureCallback(Callback):
         self._restore_predict_step: Callable[[], None] | None = None
         self._step_captures: CaptureBuffer | None = None
         self._skip_step = False
+        self._indexer: BatchIndexer | None = None
 
     @property
     @override
@@ -231,6 +232,14 @@ class IOCaptureCallback(Callback):
         self._batch_end("predict", trainer, batch, batch_idx, dataloader_idx)
 
     @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_end("validate", trainer, pl_module)
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_end("test", trainer, pl_module)
+
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end("validate", trainer, pl_module)
 
@@ -274,6 +283,7 @@ class IOCaptureCallback(Callback):
             sink.on_loop_start(trainer, pl_module, stage)
         session.open()
         self._session, self._stage = session, stage
+        self._indexer = BatchIndexer(stage)
         if stage == "predict":
             self._wrap_predict_step(pl_module, catcher, session)
 
@@ -307,23 +317,31 @@ class IOCaptureCallback(Callback):
         self._restore_predict_step = restore
 
     def _decide_skip(self, trainer: pl.Trainer, batch_idx: int, dataloader_idx: int) -> None:
-        indices = _dataset_indices(trainer, "predict", batch_idx, dataloader_idx)
-        self._skip_step = (
-            self._stage == "predict"
-            and bool(self._sinks)
-            and all(sink.skip_batch("predict", dataloader_idx, indices) for sink in self._sinks)
+        self._skip_step = False
+        if self._stage != "predict" or self._indexer is None or not self._sinks:
+            return
+        indices = self._indexer(trainer, batch_idx, dataloader_idx)
+        self._skip_step = all(
+            sink.skip_batch("predict", dataloader_idx, indices) for sink in self._sinks
         )
 
     def _batch_end(
         self, stage: str, trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int
     ) -> None:
-        if self._session is None or self._stage != stage or self._skip_step:
+        if self._session is None or self._indexer is None or self._stage != stage:
+            return
+        if self._skip_step:
             return
         captures, self._step_captures = self._step_captures or self._session.take(), None
-        indices = _dataset_indices(trainer, stage, batch_idx, dataloader_idx)
+        indices = self._indexer(trainer, batch_idx, dataloader_idx)
         record = BatchCaptures(stage, batch_idx, dataloader_idx, captures, indices, batch)
         for sink in self._sinks:
             sink.on_batch(record)
+
+    def _epoch_end(self, stage: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stage == stage:
+            for sink in self._sinks:
+                sink.on_epoch_end(trainer, pl_module, stage)
 
     def _end(self, stage: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._stage != stage:
@@ -335,6 +353,7 @@ class IOCaptureCallback(Callback):
     def _close(self) -> None:
         """Remove the hooks and restore ``predict_step``; safe to call at any time."""
         session, self._session, self._stage = self._session, None, None
+        self._indexer = None
         restore, self._restore_predict_step = self._restore_predict_step, None
         self._step_captures = None
         self._skip_step = False
@@ -344,19 +363,3 @@ class IOCaptureCallback(Callback):
         finally:
             if session is not None:
                 session.close()
-
-
-def _dataset_indices(
-    trainer: pl.Trainer, stage: str, batch_idx: int, dataloader_idx: int
-) -> tuple[int, ...] | None:
-    """The dataset indices of a batch, where Lightning records them (the predict loop)."""
-    if stage != "predict":
-        return None
-    combined = trainer.predict_loop._combined_loader
-    if combined is None:
-        return None
-    sampler = getattr(combined.flattened[dataloader_idx], "batch_sampler", None)
-    if not isinstance(sampler, _IndexBatchSamplerWrapper):
-        return None
-    seen = sampler.seen_batch_indices
-    return tuple(seen[batch_idx]) if batch_idx < len(seen) else None

@@ -29,8 +29,9 @@ class BatchCaptures:
         batch_idx: the batch's index within its dataloader, on this process.
         dataloader_idx: which dataloader the batch came from.
         captures: ``captures[name]["inputs" | "outputs"]``, one entry per call of the module.
-        indices: the dataset index of each sample of the batch, when Lightning knows them
-            (in predict); ``None`` otherwise.
+        indices: the dataset index of each sample of the batch: recorded by Lightning in
+            predict, rebuilt from a deterministic sampler in validation and test; ``None``
+            where unknown (e.g. a shuffling sampler).
         batch: the batch as the step received it (e.g. to read labels from).
     """
 
@@ -66,6 +67,9 @@ class CaptureSink:
 
     def on_batch(self, batch: BatchCaptures) -> None:
         """One batch's captures, right after the step that produced them."""
+
+    def on_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """The epoch of an armed validation or test loop ends: the place to log."""
 
     def on_loop_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """The armed loop finished normally."""

@@ -62,6 +62,7 @@ def test_validate_only_with_two_dataloaders_keeps_metrics_unchanged() -> None:
         module, [loader(12, 4, seed=1), loader(8, 4, seed=2)], verbose=False
     )
     assert results == plain and module.val_losses == losses
+    assert callback.batch_indices["validate"][1] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     for dataloader_idx, (n, seed) in enumerate([(12, 1), (8, 2)]):
         captured = torch.cat(
             callback.captures["validate"][dataloader_idx]["model.layers.2"]["outputs"]
@@ -260,3 +261,10 @@ def test_catcher_is_rebuilt_for_a_new_module() -> None:
     with pytest.raises(UnknownModuleError):
         trainer([callback]).predict(second, loader(4, 4))
     assert hook_count(first) == 0 and hook_count(second) == 0
+
+
+def test_validation_indices_are_unknown_for_a_shuffling_sampler() -> None:
+    callback = IOCaptureCallback("outputs[model.layers.0]")
+    shuffled = torch.utils.data.DataLoader(dataset(8), batch_size=4, shuffle=True)
+    trainer([callback]).validate(TinyModule(), shuffled, verbose=False)
+    assert callback.batch_indices["validate"][0] == [None, None]

@@ -15,11 +15,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatcher
 from lightning_iocatch.errors import SpecError
 from lightning_iocatch.indices import BatchIndexer
+from lightning_iocatch.probes import ProbeSink
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.spec import CaptureSpec
 from lightning_iocatch.writer import FeatureWriter
@@ -55,6 +57,8 @@ class IOCaptureCallback(Callback):
             Validation and test forwards always run whole.
         writer: a :class:`~lightning_iocatch.FeatureWriter`, or a directory for one, that
             dumps the predict loop's captures to disk.
+        probes: validation/test probes from :mod:`lightning_iocatch.probes`, logged at the
+            end of each epoch as ``iocatch/{module}/{inputs|outputs}[/{path}]/{stat}``.
         sinks: further consumers of each batch's captures (see :class:`CaptureSink`).
         keep_in_memory: keep the latest run of each stage in :attr:`captures`; by
             default only when there is no sink.
@@ -96,6 +100,7 @@ class IOCaptureCallback(Callback):
         dtype: str | torch.dtype | None = None,
         early_exit: bool = False,
         writer: FeatureWriter | str | os.PathLike[str] | None = None,
+        probes: Sequence[Metric] = (),
         sinks: Sequence[CaptureSink] = (),
         keep_in_memory: bool | None = None,
         capture_sanity_check: bool = False,
@@ -125,6 +130,11 @@ class IOCaptureCallback(Callback):
                     "`writer` dumps the predict loop, but `stages` has no 'predict': add it"
                 )
             sinks = [writer, *sinks]
+        self.probes = ProbeSink(probes) if probes else None
+        if self.probes is not None:
+            if not {"validate", "test"} & set(stages):
+                raise ValueError("`probes` run in validation or test, but `stages` has neither")
+            sinks = [*sinks, self.probes]
         for sink in sinks:
             if isinstance(sink, FeatureWriter):
                 sink.spec = self.spec.to_string()

@@ -74,8 +74,8 @@ class ActivationStats(Metric):
     ``compute()`` returns ``mean``, ``std`` (population), ``rms``, ``absmax``, ``zero_frac``
     (fraction of elements exactly zero) and ``dead_frac`` (fraction of units of the last
     dimension that were zero for every sample and position of the epoch). Each batch's
-    mean and sum of squared deviations are taken in float64 and merged with Chan's
-    formula, so large counts and large means lose no precision.
+    mean and variance come from ``torch.var_mean`` (no naive sum of squares) and are
+    merged in float64 with Chan's formula, so large counts and means lose no precision.
 
     Example:
         >>> stats = ActivationStats()
@@ -101,16 +101,23 @@ class ActivationStats(Metric):
         self.add_state("alive", torch.zeros(0, dtype=torch.float64), dist_reduce_fx="max")
 
     def update(self, features: Tensor, batch: Any = None, indices: Any = None) -> None:
-        values = features.detach().to(torch.float64)
+        values = features.detach()
         if values.numel() == 0:
             return
+        if not values.is_floating_point():
+            values = values.double()
+        # torch.var_mean is not a naive sum of squares (CPU accumulates in double, CUDA
+        # uses Welford); the per-batch results are merged in float64 below.
         var, mean = torch.var_mean(values, correction=0)
-        row = torch.stack([values.new_tensor(values.numel()), mean, var * values.numel()])
+        count = float(values.numel())
+        row = torch.stack([mean.new_tensor(count), mean, var * count]).to(torch.float64)
         self.moments = row[None] if self.moments.numel() == 0 else _chan(self.moments[0], row)[None]
-        self.absmax = torch.maximum(self.absmax, values.abs().max())
-        self.zeros = self.zeros + (values == 0).sum()
+        low, high = torch.aminmax(values)
+        self.absmax = torch.maximum(self.absmax, torch.maximum(-low, high).to(torch.float64))
         units = values.reshape(-1, values.shape[-1] if values.dim() > 1 else 1)
-        alive = (units != 0).any(dim=0).to(torch.float64)
+        nonzero = torch.count_nonzero(units, dim=0)  # per unit, one pass
+        self.zeros = self.zeros + (count - nonzero.sum())
+        alive = (nonzero > 0).to(torch.float64)
         self.alive = alive if self.alive.numel() == 0 else torch.maximum(self.alive, alive)
 
     def compute(self) -> dict[str, Tensor]:
@@ -307,15 +314,20 @@ class LayerCKA(Metric):
     gram: Tensor
     sums: Tensor
     count: Tensor
+    pending: list[Tensor]
 
-    def __init__(self, pool: str = "mean", **kwargs: Any) -> None:
+    def __init__(self, pool: str = "mean", fold_rows: int = 256, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         _check_pool(pool)
         self.pool = pool
+        self.fold_rows = fold_rows
         self.layout: dict[str, slice] = {}
         self.add_state("gram", torch.zeros(0, 0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("sums", torch.zeros(0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        # rows not yet folded into the gram (fewer than fold_rows a process): one large
+        # matrix product instead of one a batch; synced like the rest
+        self.add_state("pending", [], dist_reduce_fx="cat")
 
     def update(self, features: dict[str, Tensor], batch: Any = None, indices: Any = None) -> None:
         samples = len(indices) if indices is not None else _most_common_rows(features)
@@ -334,16 +346,25 @@ class LayerCKA(Metric):
                 f"LayerCKA saw tensors {list(pooled)} after {list(self.layout)}; every batch "
                 "must capture the same tensors"
             )
-        z = torch.cat(list(pooled.values()), dim=1)
-        if self.gram.numel() == 0:
-            self.gram = z.new_zeros(z.shape[1], z.shape[1])
-            self.sums = z.new_zeros(z.shape[1])
-        self.gram = self.gram + z.T @ z
-        self.sums = self.sums + z.sum(dim=0)
-        self.count = self.count + z.shape[0]
+        rows = torch.cat(list(pooled.values()), dim=1)
+        if self.gram.numel() == 0:  # the same shapes on every process, for the sync
+            self.gram = rows.new_zeros(rows.shape[1], rows.shape[1])
+            self.sums = rows.new_zeros(rows.shape[1])
+        self.pending.append(rows)
+        if sum(part.shape[0] for part in self.pending) >= self.fold_rows:
+            self.gram, self.sums, self.count = self._folded()
+            self.pending = []
+
+    def _folded(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The gram, sums and count with the pending rows folded in."""
+        z = _cat(self.pending).to(torch.float64)
+        if z.numel() == 0:
+            return self.gram, self.sums, self.count
+        return self.gram + z.T @ z, self.sums + z.sum(dim=0), self.count + z.shape[0]
 
     def compute(self) -> dict[str, Tensor]:
-        centred = self.gram - torch.outer(self.sums, self.sums) / self.count
+        gram, sums, count = self._folded()
+        centred = gram - torch.outer(sums, sums) / count
         keys = list(self.layout)
         norms = {key: centred[self.layout[key], self.layout[key]].norm() for key in keys}
         result = {}

@@ -42,3 +42,9 @@ def test_dump_benchmark_runs() -> None:
     results = run_json("dump.py")
     assert results["write_throughput"]["ratio"] > 0
     assert results["peak_rss"]["20_shards"]["bytes"] > results["peak_rss"]["1_shards"]["bytes"]
+
+
+@pytest.mark.slow
+def test_probes_benchmark_runs() -> None:
+    results = run_json("probes.py")
+    assert results["activation_stats"] > 0

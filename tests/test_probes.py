@@ -50,7 +50,7 @@ def test_activation_stats_match_numpy(make: object) -> None:
         stats.update(part)
     got = {k: float(v) for k, v in stats.compute().items()}
     expected = numpy_stats(x.double().numpy())
-    assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)  # float32 activations
 
 
 def test_activation_stats_are_stable_for_large_counts_and_means() -> None:

@@ -11,14 +11,14 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_PIN)"
-	$(BIN)/pip install --quiet -e ".[test,plot]" "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet -e ".[test,demo]" "$(TORCH_PIN)"
 	touch $@
 
 venv: $(BIN)/.installed
 
 lint: venv
 	$(BIN)/ruff check lightning_iocatch tests examples benchmarks
-	$(BIN)/ruff format --check lightning_iocatch tests examples benchmarks
+	$(BIN)/ruff format --check lightning_iocatch tests examples benchmarks README.md
 
 typecheck: venv
 	$(BIN)/mypy lightning_iocatch
@@ -29,7 +29,7 @@ unit: venv
 test: lint typecheck unit
 
 demo: venv
-	$(BIN)/python examples/gpt2_blocks.py
+	$(BIN)/python examples/demo.py
 
 bench: venv
 	$(BIN)/python benchmarks/overhead.py --markdown

@@ -1,5 +1,8 @@
 """lightning-iocatch: capture inputs and outputs of named submodules inside Lightning's loops.
 
+Public names load on first use (PEP 562), so ``import lightning_iocatch`` and the
+command line stay quick when Lightning itself is not needed.
+
 Example:
     >>> import torch
     >>> from torch import nn
@@ -11,14 +14,40 @@ Example:
     1
 """
 
-from lightning_iocatch.callback import IOCaptureCallback
-from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatcher
-from lightning_iocatch.errors import CaptureError, SpecError, StoreError, UnknownModuleError
-from lightning_iocatch.sinks import BatchCaptures, CaptureSink, MemorySink
-from lightning_iocatch.spec import CaptureSpec, format_io_spec, parse_io_spec
-from lightning_iocatch.store import FeatureStore
-from lightning_iocatch.transfer import transfer_to_device
-from lightning_iocatch.writer import FeatureWriter
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_iocatch.callback import IOCaptureCallback
+    from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatcher
+    from lightning_iocatch.errors import CaptureError, SpecError, StoreError, UnknownModuleError
+    from lightning_iocatch.sinks import BatchCaptures, CaptureSink, MemorySink
+    from lightning_iocatch.spec import CaptureSpec, format_io_spec, parse_io_spec
+    from lightning_iocatch.store import FeatureStore
+    from lightning_iocatch.transfer import transfer_to_device
+    from lightning_iocatch.writer import FeatureWriter
+
+_HOMES = {
+    "IOCaptureCallback": "callback",
+    "CaptureBuffer": "catcher",
+    "CaptureSession": "catcher",
+    "ModelIOCatcher": "catcher",
+    "CaptureError": "errors",
+    "SpecError": "errors",
+    "StoreError": "errors",
+    "UnknownModuleError": "errors",
+    "BatchCaptures": "sinks",
+    "CaptureSink": "sinks",
+    "MemorySink": "sinks",
+    "CaptureSpec": "spec",
+    "format_io_spec": "spec",
+    "parse_io_spec": "spec",
+    "FeatureStore": "store",
+    "transfer_to_device": "transfer",
+    "FeatureWriter": "writer",
+}
 
 __all__ = [
     "BatchCaptures",
@@ -39,3 +68,16 @@ __all__ = [
     "parse_io_spec",
     "transfer_to_device",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'lightning_iocatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"lightning_iocatch.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

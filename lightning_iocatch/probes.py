@@ -182,6 +182,7 @@ class LinearProbe(Metric):
         name: prefix of the reported value.
 
     Example:
+        >>> _ = torch.manual_seed(0)
         >>> probe = LinearProbe(lambda batch: batch, num_classes=2, holdout=0.5)
         >>> x = torch.randn(200, 3)
         >>> probe.update(x, batch=(x[:, 0] > 0).long(), indices=list(range(200)))
@@ -403,6 +404,7 @@ class ProbeSink(CaptureSink):
         self.probes = list(probes)
         self._metrics: dict[tuple[int, str, int], Metric] = {}
         self.last_values: dict[str, float] = {}
+        self.history: dict[str, list[tuple[int, float]]] = {}  # name -> (epoch, value)
 
     def _metric(self, dataloader_idx: int, key: str, position: int, device: torch.device) -> Metric:
         slot = (dataloader_idx, key, position)
@@ -437,5 +439,26 @@ class ProbeSink(CaptureSink):
                 if several:
                     name += f"/dataloader_idx_{dataloader_idx}"
                 self.last_values[name] = float(value)
+                self.history.setdefault(name, []).append((trainer.current_epoch, float(value)))
                 pl_module.log(name, float(value), add_dataloader_idx=False, sync_dist=False)
             metric.reset()
+        if trainer.is_global_zero:
+            self._send_figures(trainer)
+
+    def _send_figures(self, trainer: pl.Trainer) -> None:
+        """Draw the probe figures into every TensorBoardLogger (needs matplotlib)."""
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        boards = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+        if not boards:
+            return
+        from lightning_iocatch.plots import cka_heatmap, close_figure, probe_by_layer
+
+        for tag, draw in (("iocatch/probe_by_layer", probe_by_layer), ("iocatch/cka", cka_heatmap)):
+            try:
+                figure = draw(self.history)
+            except (ImportError, ValueError):  # no matplotlib, or nothing of that kind logged
+                continue
+            for board in boards:
+                board.experiment.add_figure(tag, figure, trainer.global_step, close=False)
+            close_figure(figure)

@@ -1,0 +1,199 @@
+"""The ``lightning-iocatch`` command: list capturable modules, inspect a dump, redraw figures.
+
+    lightning-iocatch modules TARGET [--spec SPEC]   # TARGET: package.module:attribute
+    lightning-iocatch inspect PATH [--expected N] [--verify]
+    lightning-iocatch plot METRICS [--out DIR]
+
+Also ``python -m lightning_iocatch``. Errors go to stderr with a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from lightning_iocatch.catcher import module_index
+from lightning_iocatch.errors import SpecError, StoreError, UnknownModuleError
+from lightning_iocatch.spec import CaptureSpec, resolve_names
+from lightning_iocatch.store import FeatureStore
+
+__all__ = ["main"]
+
+
+class CommandError(Exception):
+    """A failure to report in one line, with exit code 2."""
+
+
+_REPORTED = (CommandError, SpecError, UnknownModuleError, StoreError, ValueError, ImportError)
+
+
+def load_target(target: str) -> nn.Module:
+    """``package.module:attribute``: a module class, a zero-argument factory, or an instance."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise CommandError(f"TARGET must look like 'package.module:attribute', got {target!r}")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # let a module in the working directory be found
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise CommandError(f"cannot import {module_name!r}: {error}") from error
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise CommandError(f"{module_name!r} has no attribute {attribute!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, nn.Module):
+        return obj
+    if not callable(obj):
+        raise CommandError(f"{target!r} is neither an nn.Module, a class nor a factory")
+    try:
+        made = obj()
+    except TypeError as error:
+        raise CommandError(
+            f"{target!r} could not be called without arguments ({error}); point TARGET at a "
+            "zero-argument factory that builds the model"
+        ) from error
+    if not isinstance(made, nn.Module):
+        raise CommandError(f"{target!r} returned {type(made).__name__}, not an nn.Module")
+    return made
+
+
+def _modules(args: argparse.Namespace) -> int:
+    index = module_index(load_target(args.target))
+    if args.spec is None:
+        print(f"{'name':<48} {'type':<28} {'params':>12}")
+        for name, module in index.items():
+            label = "  " * (name.count(".") + 1) + name if name else "(root)"
+            params = sum(p.numel() for p in module.parameters())
+            print(f"{label:<48} {type(module).__name__:<28} {params:>12,}")
+        print(f"\n{len(index)} modules; use the full dotted name, e.g. {_example(index)}")
+        return 0
+    spec = CaptureSpec.parse(args.spec)
+    if spec.is_empty:
+        raise CommandError(f"capture spec {args.spec!r} selects no module")
+    available = list(index)
+    for kind, items in (("inputs", spec.inputs), ("outputs", spec.outputs)):
+        for item in items:
+            resolved = resolve_names([item], available)
+            print(f"{kind:<8} {item:<32} -> {', '.join(n or '(root)' for n in resolved)}")
+    return 0
+
+
+def _example(index: dict[str, nn.Module]) -> str:
+    names = [name for name in index if name]
+    return repr(names[min(len(names) - 1, 2)]) if names else "''"
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    store = FeatureStore(args.path, dataloader_idx=args.dataloader_idx)
+    meta = store.metadata
+    on_disk = sum(p.stat().st_size for p in Path(args.path).iterdir() if p.is_file())
+    print(f"store      {args.path}")
+    print(f"spec       {meta.get('spec')}  (stage {meta.get('stage')}, dtype {meta.get('dtype')})")
+    print(f"rows       {len(store)}  ranks {meta['ranks']}  shards {len(meta['shards'])}")
+    print(f"bytes      {meta['bytes']:,} in shards, {on_disk:,} on disk")
+    print(f"libraries  {', '.join(f'{k} {v}' for k, v in meta['libraries'].items())}")
+    print(f"\n{'key':<56} {'dtype':<10} {'row shape':<16} {'rows':>8}")
+    for key, info in meta["keys"].items():
+        shape = "varies" if info["shape"] is None else str(tuple(info["shape"]))
+        rows = sum(int(part.shape[0]) for _, part in store.batches(key))
+        print(f"{key:<56} {info['dtype']:<10} {shape:<16} {rows:>8}")
+    problems = []
+    duplicated = store.duplicated_indices()
+    missing = store.missing_indices(args.expected)
+    if duplicated:
+        problems.append(f"{len(duplicated)} dataset indices duplicated, e.g. {duplicated[:5]}")
+    if missing:
+        problems.append(f"{len(missing)} dataset indices missing, e.g. {missing[:5]}")
+    if args.verify:
+        store.verify()
+        print("\nchecksums  every shard matches its ledger CRC-32")
+    if problems:
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 1
+    upto = args.expected if args.expected is not None else len(store)
+    print(f"\nindices    complete: each of 0..{upto - 1} present exactly once")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from lightning_iocatch.plots import read_metrics_csv, save_probe_figures
+
+    metrics = Path(args.metrics)
+    if not metrics.is_file():
+        raise CommandError(f"no such metrics file: {metrics}")
+    out = Path(args.out) if args.out else metrics.parent
+    for path in save_probe_figures(read_metrics_csv(metrics), out):
+        print(f"wrote {path}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-iocatch",
+        description="Capture inputs and outputs of named submodules inside Lightning's loops.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    modules = commands.add_parser(
+        "modules",
+        help="list the module names a spec can use",
+        description="List capturable module names (type, parameter count), or resolve a spec.",
+    )
+    modules.add_argument("target", metavar="TARGET", help="package.module:attribute of a model")
+    modules.add_argument("--spec", help="show what each item of this spec resolves to")
+    modules.set_defaults(run=_modules)
+    inspect_ = commands.add_parser(
+        "inspect",
+        help="describe a feature store",
+        description="Keys, shapes, dtypes, rows, ranks and bytes of a feature store; exits 1 "
+        "if a dataset index is missing or duplicated.",
+    )
+    inspect_.add_argument("path", metavar="PATH", help="the directory FeatureWriter wrote")
+    inspect_.add_argument("--expected", type=int, help="the data set size (default: max index + 1)")
+    inspect_.add_argument("--dataloader-idx", type=int, default=0, help="which dataloader")
+    inspect_.add_argument("--verify", action="store_true", help="check every shard's checksum")
+    inspect_.set_defaults(run=_inspect)
+    plot = commands.add_parser(
+        "plot",
+        help="redraw the probe figures from a CSVLogger metrics.csv",
+        description="Write probe_by_layer.png and cka.png from a CSVLogger metrics.csv.",
+    )
+    plot.add_argument("metrics", metavar="METRICS", help="path to metrics.csv")
+    plot.add_argument("--out", help="output directory (default: next to METRICS)")
+    plot.set_defaults(run=_plot)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code.
+
+    Example:
+        >>> main(["modules", "torch.nn:Identity"])  # doctest: +NORMALIZE_WHITESPACE
+        name                                             type                               params
+        (root)                                           Identity                                0
+        <BLANKLINE>
+        1 modules; use the full dotted name, e.g. ''
+        0
+    """
+    args = _parser().parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except _REPORTED as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `lightning-iocatch modules X | head`
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep Python quiet at exit
+        return 0
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

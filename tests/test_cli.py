@@ -1,0 +1,121 @@
+"""cli.py: the lightning-iocatch command, run as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_iocatch import FeatureWriter, IOCaptureCallback
+from tests.lightning_models import TinyModule, loader, trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_iocatch", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_help_of_every_command() -> None:
+    for command in (["modules"], ["inspect"], ["plot"]):
+        result = cli(*command, "--help")
+        assert result.returncode == 0 and "usage: lightning-iocatch" in result.stdout
+    assert "modules" in cli("--help").stdout and cli().returncode == 2  # no command
+
+
+def test_modules_lists_names_types_and_parameters() -> None:
+    result = cli("modules", "tests.lightning_models:TinyModule")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1].split() == ["(root)", "TinyModule", "225"]  # 3 x (8*8+8) + 9
+    assert ["model.layers.0.0", "Linear", "72"] in [line.split() for line in lines]
+
+
+def test_modules_resolves_a_spec_or_fails_like_the_callback() -> None:
+    ok = cli(
+        "modules",
+        "tests.lightning_models:TinyModule",
+        "--spec",
+        "outputs[model.layers.*]|inputs[head]",
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "inputs   head" in ok.stdout
+    assert "model.layers.0, model.layers.1, model.layers.2" in ok.stdout
+    unknown = cli(
+        "modules", "tests.lightning_models:TinyModule", "--spec", "outputs[model.layer.1]"
+    )
+    assert unknown.returncode == 2 and "did you mean 'model.layers.1'" in unknown.stderr
+    malformed = cli("modules", "tests.lightning_models:TinyModule", "--spec", "output[head]")
+    assert malformed.returncode == 2 and "did you mean 'outputs'" in malformed.stderr
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("tests.cli_targets", "must look like 'package.module:attribute'"),
+        ("tests.nowhere:Model", "cannot import 'tests.nowhere'"),
+        ("tests.cli_targets:Missing", "has no attribute 'Missing'"),
+        ("tests.cli_targets:WIDTH", "neither an nn.Module"),
+        ("tests.cli_targets:needs_arguments", "could not be called without arguments"),
+        ("tests.cli_targets:not_a_model", "returned list, not an nn.Module"),
+    ],
+)
+def test_modules_rejects_bad_targets(target: str, message: str) -> None:
+    result = cli("modules", target)
+    assert result.returncode == 2 and message in result.stderr
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "store"
+    callback = IOCaptureCallback("outputs[model.layers.1]", writer=FeatureWriter(path))
+    trainer([callback]).predict(TinyModule(), loader(30, 4), return_predictions=False)
+    return path
+
+
+def test_inspect_a_complete_store(store: Path) -> None:
+    result = cli("inspect", str(store), "--verify")
+    assert result.returncode == 0, result.stderr
+    assert "model.layers.1/outputs" in result.stdout and "(8,)" in result.stdout
+    assert (
+        "rows       30" in result.stdout and "each of 0..29 present exactly once" in result.stdout
+    )
+
+
+def test_inspect_fails_on_missing_or_duplicated_rows(store: Path, tmp_path: Path) -> None:
+    missing = cli("inspect", str(store), "--expected", "32")
+    assert missing.returncode == 1 and "2 dataset indices missing, e.g. [30, 31]" in missing.stderr
+    copy = tmp_path / "copy"
+    shutil.copytree(store, copy)
+    shutil.copy(copy / "ledger-r000.jsonl", copy / "ledger-r001.jsonl")  # every shard twice
+    duplicated = cli("inspect", str(copy))
+    assert duplicated.returncode == 1 and "30 dataset indices duplicated" in duplicated.stderr
+    absent = cli("inspect", str(tmp_path / "nothing"))
+    assert absent.returncode == 2 and "is not a feature store" in absent.stderr
+
+
+def test_plot_from_metrics_csv(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text(
+        "epoch,step,iocatch/a/outputs/probe_acc,iocatch/b/outputs/probe_acc,iocatch/cka/a/outputs~b/outputs\n"
+        "0,9,0.5,0.6,0.7\n1,19,0.8,0.9,0.75\n"
+    )
+    result = cli("plot", str(metrics), "--out", str(tmp_path / "figures"))
+    assert result.returncode == 0, result.stderr
+    for name in ("probe_by_layer.png", "cka.png"):
+        assert (tmp_path / "figures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    metrics.write_text("epoch,step,val_loss\n0,9,1.0\n")
+    empty = cli("plot", str(metrics))
+    assert empty.returncode == 2 and "holds no iocatch/ metrics" in empty.stderr
+    assert cli("plot", str(tmp_path / "none.csv")).returncode == 2

@@ -32,7 +32,7 @@ demo: venv
 	$(BIN)/python examples/demo.py
 
 bench: venv
-	$(BIN)/python benchmarks/overhead.py --markdown
+	$(BIN)/python benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -209,7 +209,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "write_throughput": write_throughput(
                 root,
-                batches=8 if args.quick else 40,
+                batches=8 if args.quick else 80,
                 shard_bytes=64 << 20,
                 repeats=1 if args.quick else 5,
             ),

@@ -32,12 +32,12 @@ from lightning_iocatch.ledger import (
     ShardRecord,
     append_ledger,
     drop_torn_tail,
-    file_crc32,
     fsync_dir,
     is_store_file,
     ledger_name,
     read_ledgers,
     read_store_json,
+    shard_crc32,
     shard_name,
     shard_rank_and_seq,
     write_json_atomic,
@@ -273,8 +273,8 @@ class FeatureWriter(CaptureSink):
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return _Batch(BatchRecord(batch.dataloader_idx, batch.batch_idx, rows), tensors, nbytes)
 
-    # The writer threads: one serializes shards to .tmp files, the other makes each durable
-    # (fsync, checksum, rename, ledger line) while the next one is being serialized.
+    # The writer threads: one serializes shards to .tmp files (and fsyncs them), the other
+    # commits each (checksum, rename, ledger line) while the next one is being serialized.
 
     def _start_threads(self) -> None:
         self._queue = queue.Queue(maxsize=self.queue_size)
@@ -313,33 +313,33 @@ class FeatureWriter(CaptureSink):
         }
         try:
             save_file(tensors, str(tmp), metadata={"format": FORMAT, "rank": str(self._rank)})
+            if self.durable:
+                with open(tmp, "rb+") as handle:
+                    os.fsync(handle.fileno())
         except (OSError, SafetensorError) as error:
             tmp.unlink(missing_ok=True)
             self._error = StoreError(f"could not write shard {tmp}: {error}")
             return
         self._next_seq += 1
-        self._commits.put((tmp, batches))
+        self._commits.put((tmp, tensors, batches))
 
     def _commit_loop(self) -> None:
         assert self._commits is not None
         while (item := self._commits.get()) is not _STOP:
-            tmp, batches = item
+            tmp, tensors, batches = item
             if self._error is not None:
                 tmp.unlink(missing_ok=True)
                 continue
             try:
-                self._commit(tmp, batches)
+                self._commit(tmp, tensors, batches)
             except BaseException as error:  # handed to the main thread by _raise_thread_error
                 tmp.unlink(missing_ok=True)
                 self._error = error
 
-    def _commit(self, tmp: Path, batches: list[_Batch]) -> None:
+    def _commit(self, tmp: Path, tensors: dict[str, torch.Tensor], batches: list[_Batch]) -> None:
         final = tmp.with_name(tmp.name.removesuffix(".tmp"))
         try:
-            if self.durable:
-                with open(tmp, "rb+") as handle:
-                    os.fsync(handle.fileno())
-            crc = file_crc32(tmp)
+            crc = shard_crc32(tmp, tensors)
             os.replace(tmp, final)
             if self.durable:
                 fsync_dir(self.path)

@@ -63,6 +63,8 @@ class IOCaptureCallback(Callback):
         keep_in_memory: keep the latest run of each stage in :attr:`captures`; by
             default only when there is no sink.
         capture_sanity_check: also capture the sanity-check validation before fitting.
+        pinned_memory_bytes: cap of the pinned host memory that asynchronous CUDA-to-CPU
+            copies use (``0``: copy synchronously); see :class:`ModelIOCatcher`.
 
     After a run, ``callback.captures[stage][dataloader_idx][name]["outputs"]`` holds one
     entry per call (the reference buffer layout), and
@@ -104,6 +106,7 @@ class IOCaptureCallback(Callback):
         sinks: Sequence[CaptureSink] = (),
         keep_in_memory: bool | None = None,
         capture_sanity_check: bool = False,
+        pinned_memory_bytes: int = 256 << 20,
     ) -> None:
         self.spec = CaptureSpec.parse(spec)
         if self.spec.is_empty:
@@ -147,6 +150,9 @@ class IOCaptureCallback(Callback):
         self.dtype = _parse_dtype(dtype)
         self.early_exit = early_exit
         self.capture_sanity_check = capture_sanity_check
+        if pinned_memory_bytes < 0:
+            raise ValueError(f"`pinned_memory_bytes` must be >= 0, got {pinned_memory_bytes}")
+        self.pinned_memory_bytes = pinned_memory_bytes
         self._memory = (
             MemorySink() if keep_in_memory or (keep_in_memory is None and not sinks) else None
         )
@@ -279,7 +285,12 @@ class IOCaptureCallback(Callback):
 
     def _catcher_for(self, pl_module: pl.LightningModule) -> ModelIOCatcher:
         if self._catcher is None or self._catcher.model is not pl_module:
-            self._catcher = ModelIOCatcher(pl_module, self.device, dtype=self.dtype)
+            self._catcher = ModelIOCatcher(
+                pl_module,
+                self.device,
+                dtype=self.dtype,
+                pinned_memory_bytes=self.pinned_memory_bytes,
+            )
         return self._catcher
 
     def _start(self, stage: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_iocatch.errors import CaptureError, UnknownModuleError
 from lightning_iocatch.spec import CaptureSpec, canonical_name, resolve_names, unknown_name_message
-from lightning_iocatch.transfer import transfer_to_device
+from lightning_iocatch.transfer import CaptureTransfer
 
 __all__ = ["CaptureBuffer", "CaptureSession", "ModelIOCatcher"]
 
@@ -39,6 +39,37 @@ class CaptureBuffer(dict[str, dict[str, list[Any]]]):
     module returned. Names are those of ``model.named_modules()`` without the
     ``_orig_mod.`` that ``torch.compile`` inserts; a name with it is accepted too.
     """
+
+    _pending: list[torch.cuda.Event]
+
+    def settle(self) -> None:
+        """Wait until every asynchronous copy into this buffer has completed."""
+        pending = getattr(self, "_pending", None)
+        while pending:
+            pending.pop().synchronize()
+
+    def add_pending(self, events: list[torch.cuda.Event]) -> None:
+        """Copies into this buffer that reads must wait for (see ``CaptureTransfer``)."""
+        if events:
+            if not hasattr(self, "_pending"):
+                self._pending = []
+            self._pending.extend(events)
+
+    def __getitem__(self, name: str) -> dict[str, list[Any]]:
+        self.settle()
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        self.settle()
+        return super().get(name, default)
+
+    def items(self) -> Any:
+        self.settle()
+        return super().items()
+
+    def values(self) -> Any:
+        self.settle()
+        return super().values()
 
     def __missing__(self, name: str) -> dict[str, list[Any]]:
         if isinstance(name, str) and canonical_name(name) in self:
@@ -145,13 +176,17 @@ class CaptureSession:
         return self.buffer
 
     def close(self) -> None:
-        """Remove every hook this session registered. Safe to call more than once."""
+        """Remove every hook this session registered and wait for pending copies.
+
+        Safe to call more than once.
+        """
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
         if self.catcher._session is self:
             self.catcher._session = None
         self._pending = set()
+        self.buffer.settle()
 
     def take(self) -> CaptureBuffer:
         """Return what was captured so far and continue into a fresh, empty buffer.
@@ -180,14 +215,15 @@ class CaptureSession:
         self._pending = set(self._targets)
         self._stopped = False
 
-    def _record(self, name: str, kind: Kind, value: Any) -> None:
+    def _record(self, name: str, kind: Kind, value: Any, events: list[torch.cuda.Event]) -> None:
         if self.early_exit and self.catcher._run_depth == 0:
             raise CaptureError(
                 "this session has early_exit=True, so forwards must go through "
                 "`catcher.run(*args, **kwargs)` (or `catcher.call(fn, ...)`), which absorbs the "
                 "early-exit signal; the model was called directly"
             )
-        self.buffer[name][kind].append(value)
+        self.buffer.add_pending(events)
+        dict.__getitem__(self.buffer, name)[kind].append(value)  # no wait: still in the forward
         if self.early_exit:
             self._pending.discard((name, kind))
             if not self._pending:
@@ -196,27 +232,23 @@ class CaptureSession:
 
 
 def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
-    catcher = session.catcher
+    transfer = session.catcher.transfer
 
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        entry = {
-            "args": transfer_to_device(args, catcher.device, dtype=catcher.dtype),
-            "kwargs": transfer_to_device(kwargs, catcher.device, dtype=catcher.dtype),
-        }
-        session._record(name, "inputs", entry)
+        entry, events = transfer({"args": args, "kwargs": kwargs})
+        session._record(name, "inputs", entry, events)
 
     return hook
 
 
 def _output_hook(session: CaptureSession, name: str) -> Callable[..., None]:
-    catcher = session.catcher
+    transfer = session.catcher.transfer
 
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        session._record(
-            name, "outputs", transfer_to_device(output, catcher.device, dtype=catcher.dtype)
-        )
+        value, events = transfer(output)
+        session._record(name, "outputs", value, events)
 
     return hook
 
@@ -227,7 +259,10 @@ class ModelIOCatcher:
     ``model`` is the module to watch; valid names are those of ``model.named_modules()``
     (the ``_orig_mod.`` inserted by ``torch.compile`` may be left out), and names may
     use globs (see :mod:`lightning_iocatch.spec`). ``device`` is where captured tensors
-    are copied (``None``: where they are); ``dtype`` casts floating tensors.
+    are copied (``None``: where they are); ``dtype`` casts floating tensors. From a CUDA
+    model to the CPU, copies run asynchronously on a side stream into at most
+    ``pinned_memory_bytes`` of pinned memory (``0``: synchronous copies); the buffer
+    waits for them whenever it is read, so no value is ever seen half-copied.
 
     A session, ``with catcher(inputs=[...], outputs=[...], early_exit=False) as buf:``,
     registers hooks on the requested modules only, and removes them when the block
@@ -260,6 +295,7 @@ class ModelIOCatcher:
         device: torch.device | str | None,
         *,
         dtype: torch.dtype | None = None,
+        pinned_memory_bytes: int = 256 << 20,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
@@ -268,6 +304,7 @@ class ModelIOCatcher:
         self.model = model
         self.device = torch.device(device) if device is not None else None
         self.dtype = dtype
+        self.transfer = CaptureTransfer(self.device, dtype, pinned_bytes=pinned_memory_bytes)
         self._session: CaptureSession | None = None
         self._requested: CaptureSession | None = None
         self._run_depth = 0

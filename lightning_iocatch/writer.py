@@ -71,6 +71,14 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def _unpin(batch: _Batch) -> None:
+    """Move pinned captures to ordinary memory, so the capture's pinned budget is freed now
+    rather than when the shard fills up (the copy runs here, off the forward's path)."""
+    for key, tensor in batch.tensors.items():
+        if tensor.is_pinned():
+            batch.tensors[key] = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+
+
 def _row_shapes(batches: list[_Batch]) -> dict[str, list[int] | None]:
     """The shape of one row of each key, or ``None`` where batches disagree."""
     shapes: dict[str, set[tuple[int, ...]]] = {}
@@ -294,6 +302,7 @@ class FeatureWriter(CaptureSink):
         while (item := self._queue.get()) is not _STOP:
             if self._error is not None:
                 continue  # keep draining so that the producer never blocks forever
+            _unpin(item)
             pending.append(item)
             size += item.nbytes
             if size >= self.max_shard_bytes:

@@ -46,7 +46,9 @@ class FeatureStore:
     dataset indices present (sorted), ``len(store)`` their count, ``store.metadata`` the
     spec, dtypes, library versions and shards. Rows of ``store[key]`` are in dataset-index
     order, whichever rank wrote them. Batches whose trailing shapes differ (variable
-    sequence length) are read per batch with :meth:`batches`.
+    sequence length) are read per batch with :meth:`batches`. A dump is shown in
+    :class:`~lightning_iocatch.FeatureWriter`'s example; the command line
+    ``lightning-iocatch inspect PATH`` prints the same facts.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, dataloader_idx: int = 0) -> None:

@@ -108,11 +108,24 @@ class FeatureWriter(CaptureSink):
     Every captured tensor must have one row per sample (the batch dimension first).
 
     Example:
-        >>> import tempfile, torch
+        >>> import tempfile, lightning.pytorch as pl
+        >>> from torch.utils.data import DataLoader, TensorDataset
         >>> from lightning_iocatch import FeatureStore, IOCaptureCallback
+        >>> class Net(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+        ...     def predict_step(self, batch, batch_idx):
+        ...         return self.body(batch[0])
         >>> path = tempfile.mkdtemp() + "/features"
-        >>> callback = IOCaptureCallback("outputs[model.0]", writer=FeatureWriter(path))
-        >>> # trainer = Trainer(callbacks=[callback]); trainer.predict(model, loader)
+        >>> dump = IOCaptureCallback("outputs[body.0]", writer=FeatureWriter(path))
+        >>> trainer = pl.Trainer(callbacks=[dump], logger=False, enable_progress_bar=False,
+        ...                      enable_model_summary=False, accelerator="cpu")
+        >>> trainer.predict(Net(), DataLoader(TensorDataset(torch.randn(10, 4)), batch_size=4),
+        ...                 return_predictions=False)
+        >>> store = FeatureStore(path)
+        >>> store.keys(), store["body.0/outputs"].shape, store.indices.tolist()
+        (['body.0/outputs'], torch.Size([10, 3]), [0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
     """
 
     def __init__(

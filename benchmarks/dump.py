@@ -32,15 +32,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from common import Encoder, interleaved_medians, quiet_trainer
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
-from transformers import GPT2Config, GPT2Model
 
 from lightning_iocatch import CaptureBuffer, FeatureWriter, IOCaptureCallback
 from lightning_iocatch.sinks import BatchCaptures
-
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
 
 
 def fresh(directory: Path) -> Path:
@@ -53,7 +51,7 @@ def write_throughput(root: Path, batches: int, shard_bytes: int, repeats: int) -
     """FeatureWriter against plain save_file on identical tensors and shard sizes."""
     data = [torch.randn(32, 128, 768) for _ in range(batches)]  # 12.6 MB a batch
     indices = tuple(range(32))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, **QUIET)  # rank and barrier only
+    trainer = quiet_trainer([])  # for its rank and barrier only
 
     def ours(durable: bool) -> float:
         writer = FeatureWriter(fresh(root / "ours"), max_shard_bytes=shard_bytes, durable=durable)
@@ -99,45 +97,26 @@ def write_throughput(root: Path, batches: int, shard_bytes: int, repeats: int) -
     }
 
 
-class Encoder(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        config = GPT2Config(
-            n_layer=12, n_embd=256, n_head=8, vocab_size=1024, bos_token_id=0, eos_token_id=0
-        )
-        self.model = GPT2Model(config).eval()
-
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch[0]).last_hidden_state
-
-
 def predict_slowdown(root: Path, repeats: int) -> dict[str, Any]:
     torch.manual_seed(0)
     module = Encoder()
     loader = DataLoader(TensorDataset(torch.randint(0, 1024, (64, 128))), batch_size=4)
 
-    def run(with_writer: bool) -> float:
-        callbacks = []
+    def predict(with_writer: bool) -> None:
+        callbacks: list[pl.Callback] = []
         if with_writer:
             writer = FeatureWriter(fresh(root / "predict"))
             callbacks = [IOCaptureCallback("outputs[model.h.6]", writer=writer)]
-        trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=callbacks, **QUIET)
-        start = time.perf_counter()
-        trainer.predict(module, loader, return_predictions=False)
-        return time.perf_counter() - start
+        quiet_trainer(callbacks).predict(module, loader, return_predictions=False)
 
-    samples: dict[bool, list[float]] = {False: [], True: []}
-    for round_ in range(repeats + 1):
-        for with_writer in (False, True):
-            elapsed = run(with_writer)
-            if round_:
-                samples[with_writer].append(elapsed)
-    plain, dumped = (statistics.median(samples[flag]) for flag in (False, True))
+    medians = interleaved_medians(
+        {"plain": lambda: predict(False), "with_writer": lambda: predict(True)}, repeats
+    )
     return {
         "batches": len(loader),
-        "plain_s": round(plain, 3),
-        "with_writer_s": round(dumped, 3),
-        "ratio": round(dumped / plain, 3),
+        "plain_s": round(medians["plain"], 3),
+        "with_writer_s": round(medians["with_writer"], 3),
+        "ratio": round(medians["with_writer"] / medians["plain"], 3),
     }
 
 
@@ -166,7 +145,7 @@ def rss_child(path: str, shards: int, shard_bytes: int) -> None:
     rows = shards * shard_bytes // (2048 * 4)
     writer = FeatureWriter(path, max_shard_bytes=shard_bytes)
     callback = IOCaptureCallback("outputs[widen]", writer=writer)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[callback], **QUIET)
+    trainer = quiet_trainer([callback])
     trainer.predict(Widen(), DataLoader(RandomRows(rows), batch_size=64), return_predictions=False)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"rows": rows, "bytes": writer.bytes_written, "peak_rss_MiB": peak_kib >> 10}))

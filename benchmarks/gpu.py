@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
+from common import Encoder, gpt2, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import GPT2Config, GPT2Model
+from transformers import GPT2Model
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, ModelIOCatcher
 
@@ -40,16 +40,7 @@ BLOCKS = ("h.5", "h.11", "h.17", "h.23")
 
 def model_and_batch(layers: int, batch: int, tokens: int) -> tuple[GPT2Model, torch.Tensor]:
     torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=1024,
-        n_head=16,
-        n_positions=1024,
-        vocab_size=50257,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = GPT2Model(config).to("cuda", torch.bfloat16).eval()
+    model = gpt2(n_layer=layers, width=1024, n_head=16, vocab=50257).to("cuda", torch.bfloat16)
     return model, torch.randint(0, 50257, (batch, tokens), device="cuda")
 
 
@@ -118,29 +109,13 @@ def overheads(model: GPT2Model, ids: torch.Tensor, repeats: int) -> dict[str, An
     }
 
 
-class Encoder(pl.LightningModule):
-    def __init__(self, model: GPT2Model) -> None:
-        super().__init__()
-        self.model = model
-
-    def predict_step(self, batch: Any, batch_idx: int) -> None:
-        self.model(input_ids=batch[0])
-
-
 def dump_throughput(model: GPT2Model, ids: torch.Tensor, batches: int) -> dict[str, Any]:
     data = TensorDataset(ids.cpu().repeat(batches, 1))
     with tempfile.TemporaryDirectory() as directory:
         writer = FeatureWriter(directory, max_shard_bytes=1 << 30)
         spec = "outputs[" + "|".join(f"model.{b}" for b in BLOCKS) + "]"
         callback = IOCaptureCallback(spec, writer=writer, pinned_memory_bytes=1 << 30)
-        trainer = pl.Trainer(
-            accelerator="gpu",
-            devices=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[callback],
-        )
+        trainer = quiet_trainer([callback], accelerator="gpu")
         start = time.perf_counter()
         trainer.predict(
             Encoder(model), DataLoader(data, batch_size=ids.shape[0]), return_predictions=False

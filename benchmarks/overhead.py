@@ -26,8 +26,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 
 import torch
+from common import gpt2
 from torch import nn
-from transformers import GPT2Config, GPT2Model
+from transformers import GPT2Model
 
 from lightning_iocatch import ModelIOCatcher
 
@@ -117,19 +118,6 @@ def many_modules(count: int, width: int) -> nn.Sequential:
         for _ in range(count // 5)
     ]
     return nn.Sequential(*blocks)
-
-
-def gpt2(n_layer: int = 12, width: int = 256) -> GPT2Model:
-    config = GPT2Config(
-        n_layer=n_layer,
-        n_embd=width,
-        n_head=8,
-        vocab_size=1024,
-        n_positions=256,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2Model(config).eval()
 
 
 def early_exit(model: GPT2Model, ids: torch.Tensor, repeats: int) -> dict:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,6 +180,8 @@ def summary(result: DemoResult) -> str:
 
 
 def main() -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banners
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--out", default="runs/demo")

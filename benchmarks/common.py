@@ -69,3 +69,15 @@ def interleaved_medians(
             if round_:
                 samples[name].append(elapsed)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def ratios_to_plain(medians: dict[str, float], **facts: Any) -> dict[str, Any]:
+    """The printed result: run facts, the plain time, and every other variant over it."""
+    plain = medians["plain"]
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        **facts,
+        "plain_s": round(plain, 3),
+        **{name: round(value / plain, 3) for name, value in medians.items() if name != "plain"},
+    }

@@ -18,7 +18,7 @@ import json
 
 import lightning.pytorch as pl
 import torch
-from common import Encoder, gpt2, interleaved_medians, quiet_trainer
+from common import Encoder, gpt2, interleaved_medians, quiet_trainer, ratios_to_plain
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -51,15 +51,7 @@ def main() -> None:
         },
         repeats,
     )
-    plain = medians.pop("plain")
-    results = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "repeats": repeats,
-        "batches": len(loader),
-        "plain_predict_s": round(plain, 3),
-        **{name: round(value / plain, 3) for name, value in medians.items()},
-    }
+    results = ratios_to_plain(medians, repeats=repeats, batches=len(loader))
     print(json.dumps(results, indent=2))
 
 

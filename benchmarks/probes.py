@@ -18,7 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from common import Encoder, interleaved_medians, quiet_trainer
+from common import Encoder, interleaved_medians, quiet_trainer, ratios_to_plain
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_iocatch import IOCaptureCallback
@@ -54,15 +54,7 @@ def main() -> None:
         },
         repeats,
     )
-    plain = medians.pop("plain")
-    results = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "repeats": repeats,
-        "batches": len(loader),
-        "plain_validate_s": round(plain, 3),
-        **{name: round(value / plain, 3) for name, value in medians.items()},
-    }
+    results = ratios_to_plain(medians, repeats=repeats, batches=len(loader))
     print(json.dumps(results, indent=2))
 
 

@@ -37,23 +37,22 @@ class CaptureBuffer(dict[str, dict[str, list[Any]]]):
 
     An input entry is ``{"args": tuple, "kwargs": dict}``; an output entry is whatever the
     module returned. Names are those of ``model.named_modules()`` without the
-    ``_orig_mod.`` that ``torch.compile`` inserts; a name with it is accepted too.
+    ``_orig_mod.`` that ``torch.compile`` inserts; a name with it is accepted too. Every
+    read waits for the asynchronous GPU-to-CPU copies still in flight into the buffer.
     """
 
-    _pending: list[torch.cuda.Event]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: list[torch.cuda.Event] = []
 
     def settle(self) -> None:
         """Wait until every asynchronous copy into this buffer has completed."""
-        pending = getattr(self, "_pending", None)
-        while pending:
-            pending.pop().synchronize()
+        while self._pending:
+            self._pending.pop().synchronize()
 
     def add_pending(self, events: list[torch.cuda.Event]) -> None:
         """Copies into this buffer that reads must wait for (see ``CaptureTransfer``)."""
-        if events:
-            if not hasattr(self, "_pending"):
-                self._pending = []
-            self._pending.extend(events)
+        self._pending.extend(events)
 
     def __getitem__(self, name: str) -> dict[str, list[Any]]:
         self.settle()

@@ -97,7 +97,8 @@ class FeatureWriter(CaptureSink):
         mode: ``"create"`` refuses a directory that is not empty; ``"resume"`` continues
             an interrupted dump, skipping the batches already committed; ``"overwrite"``
             deletes a previous store's files first.
-        max_shard_bytes: a shard is committed once it holds this many bytes.
+        max_shard_bytes: a shard is committed once it holds this many bytes. The writer
+            holds at most about two shards (one filling, one committing) in memory.
         dtype: cast floating tensors for storage (e.g. ``torch.float16``).
         queue_size: batches waiting for the writer thread before ``on_batch`` blocks.
         durable: fsync every shard before it is renamed and recorded, so a committed shard

@@ -7,6 +7,7 @@ the safetensors shards when asked for. Nothing is unpickled and no code from the
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,10 +62,14 @@ class FeatureStore:
         self._shapes: dict[str, list[int] | None] = {}
         for record in self._records:
             shard = self._checked_shard(record)
-            for position, batch in enumerate(record.batches):
-                if batch.dataloader_idx == dataloader_idx:
-                    self._batches.append(_BatchLocation(shard, position, batch.rows))
-                    self._note_keys(record)
+            mine = [
+                _BatchLocation(shard, position, batch.rows)
+                for position, batch in enumerate(record.batches)
+                if batch.dataloader_idx == dataloader_idx
+            ]
+            if mine:
+                self._batches += mine
+                self._note_keys(record)
         self._row_indices = self._read_indices()
         self._order = torch.argsort(self._row_indices, stable=True)
 
@@ -87,21 +92,26 @@ class FeatureStore:
             )
         return shard
 
-    def _read(self, location: _BatchLocation, key: str) -> torch.Tensor:
-        name = f"b{location.position}/{key}"
-        try:
-            with safe_open(location.shard, framework="pt") as shard:
-                names = shard.keys()
-                if name not in names:
-                    raise StoreError(
-                        f"{key!r} was not captured in batch {location.position} of {location.shard}"
-                    )
-                return shard.get_tensor(name)
-        except SafetensorError as error:
-            raise StoreError(f"shard {location.shard} is corrupted: {error}") from error
+    def _parts(self, key: str) -> Iterator[torch.Tensor]:
+        """``key`` of every stored batch, in writing order, opening each shard once."""
+        for shard, group in itertools.groupby(self._batches, key=lambda location: location.shard):
+            try:
+                with safe_open(shard, framework="pt") as handle:
+                    names = set(handle.keys())
+                    tensors = []
+                    for location in group:
+                        name = f"b{location.position}/{key}"
+                        if name not in names:
+                            raise StoreError(
+                                f"{key!r} was not captured in batch {location.position} of {shard}"
+                            )
+                        tensors.append(handle.get_tensor(name))  # memory-mapped
+            except SafetensorError as error:
+                raise StoreError(f"shard {shard} is corrupted: {error}") from error
+            yield from tensors
 
     def _read_indices(self) -> torch.Tensor:
-        parts = [self._read(location, INDEX_KEY) for location in self._batches]
+        parts = list(self._parts(INDEX_KEY))
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     @property
@@ -147,13 +157,9 @@ class FeatureStore:
 
     def missing_indices(self, expected: int | None = None) -> list[int]:
         """Indices absent from ``range(expected)`` (default: up to the largest index present)."""
-        total = (
-            expected
-            if expected is not None
-            else int(self._row_indices.max()) + 1
-            if len(self)
-            else 0
-        )
+        total = expected
+        if total is None:
+            total = int(self._row_indices.max()) + 1 if len(self) else 0
         present = torch.zeros(total, dtype=torch.bool)
         inside = self._row_indices[self._row_indices < total]
         present[inside] = True
@@ -168,13 +174,12 @@ class FeatureStore:
     def batches(self, key: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield ``(dataset_indices, tensor)`` per stored batch, in writing order."""
         self._check_key(key)
-        for location in self._batches:
-            yield self._read(location, INDEX_KEY), self._read(location, key)
+        yield from zip(self._parts(INDEX_KEY), self._parts(key), strict=True)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         """All rows of ``key`` in dataset-index order (memory-mapped for a single batch)."""
         self._check_key(key)
-        parts = [self._read(location, key) for location in self._batches]
+        parts = list(self._parts(key))
         trailing = {tuple(part.shape[1:]) for part in parts}
         if len(trailing) > 1:
             raise StoreError(

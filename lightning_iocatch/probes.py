@@ -405,6 +405,7 @@ class ProbeSink(CaptureSink):
         self._metrics: dict[tuple[int, str, int], Metric] = {}
         self.last_values: dict[str, float] = {}
         self.history: dict[str, list[tuple[int, float]]] = {}  # name -> (epoch, value)
+        self._device = torch.device("cpu")  # the LightningModule's, from each loop start
 
     def _metric(self, dataloader_idx: int, key: str, position: int, device: torch.device) -> Metric:
         slot = (dataloader_idx, key, position)
@@ -438,9 +439,10 @@ class ProbeSink(CaptureSink):
                 name = f"iocatch/{key}/{stat}" if key else f"iocatch/{stat}"
                 if several:
                     name += f"/dataloader_idx_{dataloader_idx}"
-                self.last_values[name] = float(value)
-                self.history.setdefault(name, []).append((trainer.current_epoch, float(value)))
-                pl_module.log(name, float(value), add_dataloader_idx=False, sync_dist=False)
+                number = float(value)
+                self.last_values[name] = number
+                self.history.setdefault(name, []).append((trainer.current_epoch, number))
+                pl_module.log(name, number, add_dataloader_idx=False, sync_dist=False)
             metric.reset()
         if trainer.is_global_zero:
             self._send_figures(trainer)

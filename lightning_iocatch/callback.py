@@ -355,7 +355,10 @@ class IOCaptureCallback(Callback):
             return
         captures, self._step_captures = self._step_captures or self._session.take(), None
         indices = self._indexer(trainer, batch_idx, dataloader_idx)
-        record = BatchCaptures(stage, batch_idx, dataloader_idx, captures, indices, batch)
+        repeated = self._indexer.repeated(batch_idx, dataloader_idx)
+        record = BatchCaptures(
+            stage, batch_idx, dataloader_idx, captures, indices, batch, repeated=repeated
+        )
         for sink in self._sinks:
             sink.on_batch(record)
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_iocatch.compiled import prepare_for_hooks
 from lightning_iocatch.errors import CaptureError, UnknownModuleError
 from lightning_iocatch.spec import CaptureSpec, canonical_name, resolve_names, unknown_name_message
 from lightning_iocatch.transfer import CaptureTransfer
@@ -98,26 +99,6 @@ def module_index(model: nn.Module) -> dict[str, nn.Module]:
     return index
 
 
-def _has_compiled_parts(model: nn.Module) -> bool:
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return any(isinstance(m, OptimizedModule) for m in model.modules())
-
-
-def _make_dynamo_guard_on_hooks() -> None:
-    """Let compiled code notice hooks added or removed after compilation.
-
-    By default Dynamo does not guard on module hooks, so hooks registered after the first
-    compiled call are silently ignored (pytorch#117758). Turning the guards on is
-    process-wide; code compiled before is dropped once so that it is recompiled with them.
-    """
-    import torch._dynamo
-
-    if torch._dynamo.config.skip_nnmodule_hook_guards:
-        torch._dynamo.config.skip_nnmodule_hook_guards = False
-        torch._dynamo.reset_code_caches()
-
-
 class CaptureSession:
     """One capture request on a :class:`ModelIOCatcher`; hooks exist only while it is open.
 
@@ -159,6 +140,7 @@ class CaptureSession:
                 "another (one `with catcher(...)` at a time, or use a second ModelIOCatcher)"
             )
         modules = self.modules
+        prepare_for_hooks(self.catcher.model)
         self.catcher._session = self
         try:
             for name in self.inputs:
@@ -307,8 +289,6 @@ class ModelIOCatcher:
         self._session: CaptureSession | None = None
         self._requested: CaptureSession | None = None
         self._run_depth = 0
-        if _has_compiled_parts(model):
-            _make_dynamo_guard_on_hooks()
 
     @property
     def module_names(self) -> list[str]:

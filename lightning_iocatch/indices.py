@@ -64,6 +64,13 @@ class BatchIndexer:
         walker = self._walkers[dataloader_idx]
         return walker.batch(batch_idx) if walker is not None else None
 
+    def repeated(self, batch_idx: int, dataloader_idx: int) -> tuple[bool, ...] | None:
+        """For the batch last asked for: which samples repeat one seen elsewhere (padding).
+
+        ``None`` where unknown. Called right after :meth:`__call__` for the same batch.
+        """
+        return None
+
 
 class _Walker:
     """A second pass over a deterministic batch sampler, in step with the loop's own."""

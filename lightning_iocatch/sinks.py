@@ -33,6 +33,9 @@ class BatchCaptures:
             predict, rebuilt from a deterministic sampler in validation and test; ``None``
             where unknown (e.g. a shuffling sampler).
         batch: the batch as the step received it (e.g. to read labels from).
+        repeated: per sample, whether it repeats a sample of this loop seen elsewhere (the
+            padding a ``DistributedSampler`` adds so that every process gets as many
+            samples); ``None`` where unknown.
     """
 
     stage: str
@@ -41,6 +44,7 @@ class BatchCaptures:
     captures: CaptureBuffer
     indices: tuple[int, ...] | None = None
     batch: Any = None
+    repeated: tuple[bool, ...] | None = None
 
 
 class CaptureSink:

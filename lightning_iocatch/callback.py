@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatcher
 from lightning_iocatch.errors import SpecError
 from lightning_iocatch.indices import BatchIndexer
-from lightning_iocatch.probes import ProbeSink
+from lightning_iocatch.probe_sink import ProbeSink
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.spec import CaptureSpec
 from lightning_iocatch.writer import FeatureWriter

@@ -24,14 +24,14 @@ def main() -> None:
     ids = torch.randint(0, config.vocab_size, (2, 32))
     catcher = ModelIOCatcher(model, "cpu")
 
-    with torch.no_grad(), catcher.for_product("outputs[transformer.h.*]", early_exit=False) as buf:
+    with torch.no_grad(), catcher.from_spec("outputs[transformer.h.*]", early_exit=False) as buf:
         model(ids)
     print("spec: outputs[transformer.h.*]")
     for name, kinds in buf.items():
         print(f"  {name:<16} {tuple(kinds['outputs'][0].shape)}")
 
     start = time.perf_counter()
-    with torch.no_grad(), catcher.for_product("outputs[transformer.h.1]", early_exit=True) as buf:
+    with torch.no_grad(), catcher.from_spec("outputs[transformer.h.1]", early_exit=True) as buf:
         result = catcher.run(ids)
     elapsed = time.perf_counter() - start
     hidden = buf["transformer.h.1"]["outputs"][0]

@@ -8,7 +8,7 @@ Example:
     >>> from torch import nn
     >>> from lightning_iocatch import ModelIOCatcher
     >>> net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    >>> with ModelIOCatcher(net, "cpu").for_product("outputs[0]", early_exit=False) as buf:
+    >>> with ModelIOCatcher(net, "cpu").from_spec("outputs[0]", early_exit=False) as buf:
     ...     _ = net(torch.ones(1, 4))
     >>> len(buf["0"]["outputs"])
     1
@@ -20,18 +20,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_iocatch.buffer import CaptureBuffer
     from lightning_iocatch.callback import IOCaptureCallback
-    from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatcher
+    from lightning_iocatch.catcher import CaptureSession, ModelIOCatcher
     from lightning_iocatch.errors import CaptureError, SpecError, StoreError, UnknownModuleError
     from lightning_iocatch.sinks import BatchCaptures, CaptureSink, MemorySink
     from lightning_iocatch.spec import CaptureSpec, format_io_spec, parse_io_spec
     from lightning_iocatch.store import FeatureStore
-    from lightning_iocatch.transfer import transfer_to_device
+    from lightning_iocatch.transfer import NotCaptured, transfer_to_device
     from lightning_iocatch.writer import FeatureWriter
 
 _HOMES = {
     "IOCaptureCallback": "callback",
-    "CaptureBuffer": "catcher",
+    "CaptureBuffer": "buffer",
     "CaptureSession": "catcher",
     "ModelIOCatcher": "catcher",
     "CaptureError": "errors",
@@ -45,6 +46,7 @@ _HOMES = {
     "format_io_spec": "spec",
     "parse_io_spec": "spec",
     "FeatureStore": "store",
+    "NotCaptured": "transfer",
     "transfer_to_device": "transfer",
     "FeatureWriter": "writer",
 }
@@ -61,6 +63,7 @@ __all__ = [
     "IOCaptureCallback",
     "MemorySink",
     "ModelIOCatcher",
+    "NotCaptured",
     "SpecError",
     "StoreError",
     "UnknownModuleError",

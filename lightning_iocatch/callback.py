@@ -18,9 +18,11 @@ from lightning.pytorch.callbacks import Callback
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_iocatch.catcher import CaptureBuffer, CaptureSession, ModelIOCatcher
+from lightning_iocatch.buffer import CaptureBuffer
+from lightning_iocatch.catcher import CaptureSession, ModelIOCatcher
 from lightning_iocatch.errors import SpecError
 from lightning_iocatch.indices import BatchIndexer
+from lightning_iocatch.predict_route import PredictMember, join_predict_route, leave_predict_route
 from lightning_iocatch.probe_sink import ProbeSink
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.spec import CaptureSpec
@@ -160,8 +162,7 @@ class IOCaptureCallback(Callback):
         self._catcher: ModelIOCatcher | None = None
         self._session: CaptureSession | None = None
         self._stage: str | None = None
-        self._restore_predict_step: Callable[[], None] | None = None
-        self._step_captures: CaptureBuffer | None = None
+        self._leave_route: Callable[[], None] | None = None
         self._skip_step = False
         self._indexer: BatchIndexer | None = None
 
@@ -185,7 +186,7 @@ class IOCaptureCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "validate" in self.stages:
-            self._catcher_for(pl_module).for_product(self.spec)  # unknown names fail here
+            self._catcher_for(pl_module).from_spec(self.spec)  # unknown names fail here
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -299,43 +300,16 @@ class IOCaptureCallback(Callback):
         self._close()  # a loop that never reached its end hook leaves nothing behind
         catcher = self._catcher_for(pl_module)
         early_exit = self.early_exit and stage == "predict"
-        session = catcher.for_product(self.spec, early_exit=early_exit)
+        session = catcher.from_spec(self.spec, early_exit=early_exit)
         for sink in self._sinks:
             sink.on_loop_start(trainer, pl_module, stage)
         session.open()
         self._session, self._stage = session, stage
         self._indexer = BatchIndexer(stage)
         if stage == "predict":
-            self._wrap_predict_step(pl_module, catcher, session)
-
-    def _wrap_predict_step(
-        self, pl_module: pl.LightningModule, catcher: ModelIOCatcher, session: CaptureSession
-    ) -> None:
-        """Route ``predict_step`` through ``catcher.call`` for the predict loop.
-
-        The stop signal of early exit never escapes it; with early exit the step returns
-        the batch's captures. A batch every sink already has is not computed (``None``).
-        """
-        own = vars(pl_module).get("predict_step")
-        original = pl_module.predict_step
-
-        def predict_step(*args: Any, **kwargs: Any) -> Any:
-            if self._skip_step:
-                return None
-            result = catcher.call(original, *args, **kwargs)
-            if not session.early_exit:
-                return result
-            self._step_captures = session.take()
-            return self._step_captures
-
-        def restore() -> None:
-            if own is None:
-                del pl_module.predict_step
-            else:
-                setattr(pl_module, "predict_step", own)  # noqa: B010
-
-        setattr(pl_module, "predict_step", predict_step)  # noqa: B010
-        self._restore_predict_step = restore
+            member = PredictMember(session, lambda: self._skip_step)
+            join_predict_route(pl_module, member)
+            self._leave_route = lambda: leave_predict_route(pl_module, member)
 
     def _decide_skip(self, trainer: pl.Trainer, batch_idx: int, dataloader_idx: int) -> None:
         self._skip_step = False
@@ -351,9 +325,9 @@ class IOCaptureCallback(Callback):
     ) -> None:
         if self._session is None or self._indexer is None or self._stage != stage:
             return
+        captures = self._session.take()
         if self._skip_step:
-            return
-        captures, self._step_captures = self._step_captures or self._session.take(), None
+            return  # captured only because another callback needed the forward
         indices = self._indexer(trainer, batch_idx, dataloader_idx)
         repeated = self._indexer.repeated(batch_idx, dataloader_idx)
         record = BatchCaptures(
@@ -378,12 +352,11 @@ class IOCaptureCallback(Callback):
         """Remove the hooks and restore ``predict_step``; safe to call at any time."""
         session, self._session, self._stage = self._session, None, None
         self._indexer = None
-        restore, self._restore_predict_step = self._restore_predict_step, None
-        self._step_captures = None
+        leave_route, self._leave_route = self._leave_route, None
         self._skip_step = False
         try:
-            if restore is not None:
-                restore()
+            if leave_route is not None:
+                leave_route()
         finally:
             if session is not None:
                 session.close()

@@ -3,84 +3,94 @@
 Hooks are global state on the model. This module is the only one that registers them,
 and it registers them only on the modules a session asks for, only while that session
 is open: a forward outside a session runs exactly as if the catcher did not exist.
+
+Several sessions may be open on one model at once (one per catcher, e.g. two
+``IOCaptureCallback``s): they share the model's :class:`ForwardCoordinator`, which lets
+a forward stop early only once every open session on the model has early exit and has
+captured everything it asked for. One session without early exit keeps forwards whole.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_iocatch.buffer import CaptureBuffer, Kind
 from lightning_iocatch.compiled import prepare_for_hooks
-from lightning_iocatch.errors import CaptureError, UnknownModuleError
-from lightning_iocatch.spec import CaptureSpec, canonical_name, resolve_names, unknown_name_message
+from lightning_iocatch.errors import CaptureError
+from lightning_iocatch.spec import CaptureSpec, canonical_name, resolve_names
 from lightning_iocatch.transfer import CaptureTransfer
 
-__all__ = ["CaptureBuffer", "CaptureSession", "ModelIOCatcher"]
-
-Kind = Literal["inputs", "outputs"]
+__all__ = ["CaptureBuffer", "CaptureSession", "ForwardCoordinator", "ModelIOCatcher"]
 
 
 class _StopForward(BaseException):
     """Private early-exit signal. A ``BaseException`` so ``except Exception`` cannot eat it."""
 
-    def __init__(self, session: CaptureSession) -> None:
-        super().__init__("early exit: every requested capture is done")
-        self.session = session
+    def __init__(self, coordinator: ForwardCoordinator) -> None:
+        super().__init__("early exit: every open session has its captures")
+        self.coordinator = coordinator
 
 
-class CaptureBuffer(dict[str, dict[str, list[Any]]]):
-    """Captured values: ``buf[name]["inputs"]`` and ``buf[name]["outputs"]``, one entry a call.
+class ForwardCoordinator:
+    """The open capture sessions on one model, and the one place that stops its forwards.
 
-    An input entry is ``{"args": tuple, "kwargs": dict}``; an output entry is whatever the
-    module returned. Names are those of ``model.named_modules()`` without the
-    ``_orig_mod.`` that ``torch.compile`` inserts; a name with it is accepted too. Every
-    read waits for the asynchronous GPU-to-CPU copies still in flight into the buffer.
+    There is one per model (:meth:`of`). Forwards that may stop early go through
+    :meth:`call`; a forward stops once every open session has ``early_exit`` and has
+    captured all it asked for in this forward.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._pending: list[torch.cuda.Event] = []
+    _by_model: ClassVar[weakref.WeakKeyDictionary[nn.Module, ForwardCoordinator]] = (
+        weakref.WeakKeyDictionary()
+    )
 
-    def settle(self) -> None:
-        """Wait until every asynchronous copy into this buffer has completed."""
-        while self._pending:
-            self._pending.pop().synchronize()
-
-    def add_pending(self, events: list[torch.cuda.Event]) -> None:
-        """Copies into this buffer that reads must wait for (see ``CaptureTransfer``)."""
-        self._pending.extend(events)
-
-    def __getitem__(self, name: str) -> dict[str, list[Any]]:
-        self.settle()
-        return super().__getitem__(name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        self.settle()
-        return super().get(name, default)
-
-    def items(self) -> Any:
-        self.settle()
-        return super().items()
-
-    def values(self) -> Any:
-        self.settle()
-        return super().values()
-
-    def __missing__(self, name: str) -> dict[str, list[Any]]:
-        if isinstance(name, str) and canonical_name(name) in self:
-            return self[canonical_name(name)]
-        raise UnknownModuleError(
-            f"nothing was captured for {name!r}: " + unknown_name_message(name, list(self))
-        )
+    def __init__(self) -> None:
+        self.sessions: list[CaptureSession] = []
+        self.run_depth = 0
+        self._stop_sent = False
 
     @classmethod
-    def empty(cls, names: Iterable[str]) -> CaptureBuffer:
-        return cls({name: {"inputs": [], "outputs": []} for name in names})
+    def of(cls, model: nn.Module) -> ForwardCoordinator:
+        """The coordinator of ``model`` (created on first use)."""
+        if model not in cls._by_model:
+            cls._by_model[model] = cls()
+        return cls._by_model[model]
+
+    def maybe_stop(self) -> None:
+        """Stop the forward if every open session is done with it (called by the hooks)."""
+        if self.run_depth and all(s.early_exit and s.done for s in self.sessions):
+            self._stop_sent = True
+            raise _StopForward(self)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
+        """``(fn(*args, **kwargs), False)``, or ``(None, True)`` when early exit cut it short."""
+        for session in self.sessions:
+            session._begin_forward()
+        self._stop_sent = False
+        self.run_depth += 1
+        try:
+            result = fn(*args, **kwargs)
+        except _StopForward as stop:
+            if stop.coordinator is not self:
+                raise
+            return None, True
+        finally:
+            self.run_depth -= 1
+        if self._stop_sent:
+            self._stop_sent = False
+            warnings.warn(
+                "the model swallowed the early-exit signal (a bare `except:` or `except "
+                "BaseException:` in its forward), so the whole forward ran",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return result, False
 
 
 def module_index(model: nn.Module) -> dict[str, nn.Module]:
@@ -123,14 +133,18 @@ class CaptureSession:
         targets: list[tuple[str, Kind]] = [(n, "inputs") for n in inputs]
         targets += [(n, "outputs") for n in outputs]
         self._targets = frozenset(targets)
-        self._pending: set[tuple[str, Kind]] = set()
-        self._stopped = False
+        self._pending: set[tuple[str, Kind]] = set(self._targets)
         self._handles: list[RemovableHandle] = []
 
     @property
     def is_open(self) -> bool:
         """True while this session's hooks are registered."""
         return self.catcher._session is self
+
+    @property
+    def done(self) -> bool:
+        """True once the current forward has given every capture this session asked for."""
+        return not self._pending
 
     def open(self) -> CaptureBuffer:
         """Register the hooks and return the buffer that fills while the session is open."""
@@ -139,18 +153,19 @@ class CaptureSession:
                 "a capture session is already open on this catcher; close it before opening "
                 "another (one `with catcher(...)` at a time, or use a second ModelIOCatcher)"
             )
-        modules = self.modules
         prepare_for_hooks(self.catcher.model)
         self.catcher._session = self
+        self.catcher.coordinator.sessions.append(self)
+        self._pending = set(self._targets)
         try:
             for name in self.inputs:
                 hook = _input_hook(self, name)
                 self._handles.append(
-                    modules[name].register_forward_pre_hook(hook, with_kwargs=True)
+                    self.modules[name].register_forward_pre_hook(hook, with_kwargs=True)
                 )
             for name in self.outputs:
                 hook = _output_hook(self, name)
-                self._handles.append(modules[name].register_forward_hook(hook))
+                self._handles.append(self.modules[name].register_forward_hook(hook))
         except BaseException:
             self.close()
             raise
@@ -166,11 +181,13 @@ class CaptureSession:
             handle.remove()
         if self.catcher._session is self:
             self.catcher._session = None
-        self._pending = set()
+        sessions = self.catcher.coordinator.sessions
+        if self in sessions:
+            sessions.remove(self)
         self.buffer.settle()
 
     def take(self) -> CaptureBuffer:
-        """Return what was captured so far and continue into a fresh, empty buffer.
+        """Return what was captured so far, settled, and continue into a fresh, empty buffer.
 
         Example:
             >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
@@ -183,7 +200,8 @@ class CaptureSession:
             (1, 1)
         """
         taken = self.buffer
-        self.buffer = CaptureBuffer.empty(taken)
+        self.buffer = CaptureBuffer.empty(taken._data)
+        taken.settle()
         return taken
 
     def __enter__(self) -> CaptureBuffer:
@@ -194,22 +212,22 @@ class CaptureSession:
 
     def _begin_forward(self) -> None:
         self._pending = set(self._targets)
-        self._stopped = False
 
     def _record(self, name: str, kind: Kind, value: Any, events: list[torch.cuda.Event]) -> None:
-        if self.early_exit and self.catcher._run_depth == 0:
+        coordinator = self.catcher.coordinator
+        if self.early_exit and coordinator.run_depth == 0:
             raise CaptureError(
                 "this session has early_exit=True, so forwards must go through "
                 "`catcher.run(*args, **kwargs)` (or `catcher.call(fn, ...)`), which absorbs the "
                 "early-exit signal; the model was called directly"
             )
-        self.buffer.add_pending(events)
-        dict.__getitem__(self.buffer, name)[kind].append(value)  # no wait: still in the forward
+        if self.early_exit and self.done:
+            return  # later calls in this forward: as if it had stopped here, whoever goes on
+        self.buffer.add(name, kind, value, events)
         if self.early_exit:
             self._pending.discard((name, kind))
             if not self._pending:
-                self._stopped = True
-                raise _StopForward(self)
+                coordinator.maybe_stop()
 
 
 def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
@@ -245,11 +263,14 @@ class ModelIOCatcher:
     ``pinned_memory_bytes`` of pinned memory (``0``: synchronous copies); the buffer
     waits for them whenever it is read, so no value is ever seen half-copied.
 
-    A session, ``with catcher(inputs=[...], outputs=[...], early_exit=False) as buf:``,
-    registers hooks on the requested modules only, and removes them when the block
-    ends, also on exceptions. ``buf[name]["inputs"]`` holds one ``{"args", "kwargs"}``
-    entry per call and ``buf[name]["outputs"]`` one return value per call; captured
-    values are detached private copies, and ``buf`` stays readable after the block.
+    A session, ``with catcher(inputs=[...], outputs=[...], early_exit=False) as buf:``
+    (or ``with catcher.from_spec("inputs[a]|outputs[b]") as buf:``), registers hooks on
+    the requested modules only, and removes them when the block ends, also on
+    exceptions. ``buf[name]["inputs"]`` holds one ``{"args", "kwargs"}`` entry per call
+    and ``buf[name]["outputs"]`` one return value per call; captured values are detached
+    private copies (objects the library does not know, such as a cache object, become
+    :class:`~lightning_iocatch.NotCaptured` placeholders), and ``buf`` stays readable
+    after the block.
 
     With ``early_exit=True`` each forward stops as soon as every requested capture has
     happened, in execution order: drive forwards through :meth:`run` (or :meth:`call`),
@@ -258,6 +279,10 @@ class ModelIOCatcher:
     module) counts as captured at its first call, so under early exit later calls are
     not captured; without early exit every call adds an entry.
 
+    Sessions of several catchers may be open on one model at once; each captures exactly
+    what it would capture alone, and a forward stops early only once every open session
+    has early exit and is done (see :class:`ForwardCoordinator`).
+
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> catcher = ModelIOCatcher(net, "cpu")
@@ -265,7 +290,7 @@ class ModelIOCatcher:
         ...     _ = net(torch.randn(3, 4))
         >>> buf["0"]["outputs"][0].shape, buf["2"]["inputs"][0]["args"][0].shape
         (torch.Size([3, 8]), torch.Size([3, 8]))
-        >>> with catcher.for_product("outputs[0]", early_exit=True) as buf:
+        >>> with catcher.from_spec("outputs[0]", early_exit=True) as buf:
         ...     catcher.run(torch.randn(3, 4)) is None  # layers 1 and 2 never ran
         True
     """
@@ -288,7 +313,7 @@ class ModelIOCatcher:
         self.transfer = CaptureTransfer(self.device, dtype, pinned_bytes=pinned_memory_bytes)
         self._session: CaptureSession | None = None
         self._requested: CaptureSession | None = None
-        self._run_depth = 0
+        self.coordinator = ForwardCoordinator.of(getattr(model, "_orig_mod", model))
 
     @property
     def module_names(self) -> list[str]:
@@ -314,7 +339,7 @@ class ModelIOCatcher:
         if isinstance(inputs, str) or isinstance(outputs, str):
             raise TypeError(
                 "`inputs` and `outputs` take lists of names; for a spec string use "
-                "`catcher.for_product(spec)`"
+                "`catcher.from_spec(spec)`"
             )
         if self._session is not None:
             raise CaptureError(
@@ -330,16 +355,31 @@ class ModelIOCatcher:
         self._requested = CaptureSession(self, modules, resolved_in, resolved_out, early_exit)
         return self._requested
 
-    def for_product(self, spec: str | CaptureSpec, early_exit: bool = True) -> CaptureSession:
+    def from_spec(self, spec: str | CaptureSpec, early_exit: bool = False) -> CaptureSession:
         """Request a session from a spec string such as ``"outputs[model.layers.5]"``.
 
-        Malformed specs raise ``SpecError``; a spec that selects nothing raises
+        Same as ``catcher(inputs=..., outputs=..., early_exit=...)`` with the names of the
+        spec. Malformed specs raise ``SpecError``; a spec that selects nothing raises
         ``ValueError``; unknown names raise ``KeyError`` (``UnknownModuleError``).
         """
         parsed = spec if isinstance(spec, CaptureSpec) else CaptureSpec.parse(spec)
         if parsed.is_empty:
             raise ValueError(f"capture spec {parsed.to_string() or spec!r} selects no module")
         return self(inputs=parsed.inputs, outputs=parsed.outputs, early_exit=early_exit)
+
+    def for_product(self, spec: str | CaptureSpec, early_exit: bool = True) -> CaptureSession:
+        """Deprecated name of :meth:`from_spec`, which defaults to ``early_exit=False``.
+
+        Kept with its old default (``early_exit=True``) so that existing code keeps its
+        behaviour; it warns once per call site.
+        """
+        warnings.warn(
+            "`ModelIOCatcher.from_spec(spec)` is renamed `from_spec(spec, early_exit=...)`; "
+            "note that `from_spec` defaults to early_exit=False like `catcher(...)`",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.from_spec(spec, early_exit=early_exit)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Run one forward of the model under the open session.
@@ -351,27 +391,9 @@ class ModelIOCatcher:
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Like :meth:`run`, for any callable that runs the model (e.g. a ``predict_step``)."""
-        session = self._session
-        if session is None:
+        if not self.coordinator.sessions:
             return fn(*args, **kwargs)
-        session._begin_forward()
-        self._run_depth += 1
-        try:
-            result = fn(*args, **kwargs)
-        except _StopForward as stop:
-            if stop.session is not session:
-                raise
-            return None
-        finally:
-            self._run_depth -= 1
-        if session._stopped:
-            warnings.warn(
-                "the model swallowed the early-exit signal (a bare `except:` or `except "
-                "BaseException:` in its forward), so the whole forward ran",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return result
+        return self.coordinator.call(fn, *args, **kwargs)[0]
 
     def attach_hooks(self) -> CaptureBuffer:
         """Open the most recently requested session without a ``with`` block.

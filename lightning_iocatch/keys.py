@@ -11,12 +11,10 @@ Leaves that are not tensors (``None``, flags, strings) have no key.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-
-from lightning_iocatch.catcher import CaptureBuffer
 
 __all__ = ["flatten_captures", "flatten_value"]
 
@@ -42,12 +40,13 @@ def flatten_value(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]
             yield from flatten_value(getattr(value, field.name), f"{prefix}/{field.name}")
 
 
-def flatten_captures(captures: CaptureBuffer) -> dict[str, torch.Tensor]:
+def flatten_captures(
+    captures: Mapping[str, Mapping[str, Iterable[Any]]],
+) -> dict[str, torch.Tensor]:
     """Every captured tensor of one batch under its flat key.
 
     Example:
-        >>> buf = CaptureBuffer.empty(["h.0"])
-        >>> buf["h.0"]["outputs"].append((torch.zeros(2, 3), None))
+        >>> buf = {"h.0": {"inputs": [], "outputs": [(torch.zeros(2, 3), None)]}}
         >>> {k: tuple(v.shape) for k, v in flatten_captures(buf).items()}
         {'h.0/outputs/0': (2, 3)}
     """

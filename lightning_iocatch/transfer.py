@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import threading
 import warnings
 import weakref
@@ -22,36 +23,106 @@ from typing import Any
 
 import torch
 
-__all__ = ["CaptureTransfer", "PinnedBudget", "map_tensors", "transfer_to_device"]
+__all__ = [
+    "CaptureTransfer",
+    "NotCaptured",
+    "PinnedBudget",
+    "map_tensors",
+    "snapshot",
+    "transfer_to_device",
+]
+
+# Values kept as they are in a capture: immutable, so they cannot change after it.
+_IMMUTABLE = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    enum.Enum,
+    slice,
+    range,
+    type(Ellipsis),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+@dataclasses.dataclass(frozen=True)
+class NotCaptured:
+    """Stands in a capture for an object the library does not copy.
+
+    A capture is a snapshot: tensors are copied, and mappings, lists, tuples, namedtuples
+    and dataclasses are rebuilt around the copies; immutable values (numbers, strings,
+    ``None``, dtypes, devices, enums) are kept. Any other object, such as the cache that
+    Hugging Face passes to every decoder layer as ``past_key_values``, is live state of
+    the running model that may change right after the capture: it is replaced by this
+    placeholder, which names its type.
+
+    Example:
+        >>> class Cache: ...
+        >>> snapshot({"x": torch.ones(1), "cache": Cache(), "n": 3})["cache"]
+        NotCaptured(type_name='lightning_iocatch.transfer.Cache')
+    """
+
+    type_name: str
+
+    @classmethod
+    def of(cls, obj: object) -> NotCaptured:
+        kind = type(obj)
+        return cls(f"{kind.__module__}.{kind.__qualname__}")
+
+
+def _keep(obj: Any) -> Any:
+    return obj
+
+
+def map_tensors(
+    obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], other: Callable[[Any], Any] = _keep
+) -> Any:
     """Rebuild ``obj`` with ``fn`` applied to every tensor inside it.
 
     Recurses through mappings (the mapping type is kept: an ``OrderedDict`` stays one, a
     Hugging Face ``ModelOutput`` stays a ``ModelOutput``), lists, tuples, namedtuples and
-    dataclasses; containers are always new objects; anything else is returned as it is.
+    dataclasses; containers are always new objects; anything else becomes ``other(obj)``
+    (by default: returned as it is).
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, Mapping):
-        return _map_mapping(obj, fn)
+        return _map_mapping(obj, fn, other)
     if isinstance(obj, list):
-        return type(obj)(map_tensors(v, fn) for v in obj)
+        return type(obj)(map_tensors(v, fn, other) for v in obj)
     if isinstance(obj, tuple):
-        items = [map_tensors(v, fn) for v in obj]
+        items = [map_tensors(v, fn, other) for v in obj]
         if hasattr(obj, "_fields"):  # namedtuple
             return type(obj)(*items)
         if type(obj) is tuple:
             return tuple(items)
         return type(obj)(items)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _map_dataclass(obj, fn)
-    return obj
+        return _map_dataclass(obj, fn, other)
+    return other(obj)
 
 
-def _map_mapping(mapping: Mapping[Any, Any], fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    items = {key: map_tensors(value, fn) for key, value in mapping.items()}
+def _keep_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _placeholder_unless_immutable(obj: Any) -> Any:
+    return obj if isinstance(obj, _IMMUTABLE) else NotCaptured.of(obj)
+
+
+def _map_mapping(
+    mapping: Mapping[Any, Any],
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    other: Callable[[Any], Any],
+) -> Any:
+    items = {key: map_tensors(value, fn, other) for key, value in mapping.items()}
     try:
         result: Any = copy.copy(mapping)
         for key, value in items.items():
@@ -61,10 +132,12 @@ def _map_mapping(mapping: Mapping[Any, Any], fn: Callable[[torch.Tensor], torch.
         return items
 
 
-def _map_dataclass(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _map_dataclass(
+    obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], other: Callable[[Any], Any]
+) -> Any:
     result = copy.copy(obj)
     for field in dataclasses.fields(obj):
-        value = map_tensors(getattr(obj, field.name), fn)
+        value = map_tensors(getattr(obj, field.name), fn, other)
         object.__setattr__(result, field.name, value)  # works for frozen dataclasses too
     return result
 
@@ -100,6 +173,17 @@ def transfer_to_device(
         (tensor([2., 2.], dtype=torch.float16), False, 3)
     """
     return map_tensors(obj, lambda tensor: _copy_tensor(tensor, device, dtype))
+
+
+def snapshot(
+    obj: Any, device: torch.device | str | None = None, *, dtype: torch.dtype | None = None
+) -> Any:
+    """What a capture keeps of ``obj``: :func:`transfer_to_device`, and a :class:`NotCaptured`
+    placeholder for every object that is neither a tensor, a container of the kinds
+    :func:`map_tensors` rebuilds, nor an immutable value.
+    """
+    copied = map_tensors(obj, lambda tensor: _copy_tensor(tensor, device, dtype))
+    return map_tensors(copied, _keep_tensor, _placeholder_unless_immutable)
 
 
 def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -205,7 +289,7 @@ class CaptureTransfer:
                     return copied
             return _copy_tensor(tensor, self.device, self.dtype)
 
-        return map_tensors(obj, copy_one), events
+        return map_tensors(obj, copy_one, _placeholder_unless_immutable), events
 
     def _asynchronous(self, tensor: torch.Tensor) -> bool:
         return (

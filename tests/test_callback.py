@@ -123,8 +123,8 @@ def test_two_callbacks_with_different_specs_at_once() -> None:
         "model.layers.1",
         "model.layers.2",
     ]
-    # the first callback stopped the forward after layers.0, so the second saw no later layer
-    assert second.captures["predict"][0]["model.layers.1"]["outputs"] == []
+    # the second has no early exit, so the forward ran whole and it saw every layer
+    assert len(second.captures["predict"][0]["model.layers.2"]["outputs"]) == 2
     assert len(first.captures["predict"][0]["model.layers.0"]["outputs"]) == 2
 
 

@@ -139,7 +139,7 @@ def test_explicit_attach_and_detach(blocks: Blocks) -> None:
 def test_early_exit_skips_the_rest_of_the_network(blocks: Blocks) -> None:
     catcher = ModelIOCatcher(blocks, "cpu")
     x = torch.randn(2, 8)
-    with catcher.for_product("outputs[layers.1]", early_exit=True) as buf:
+    with catcher.from_spec("outputs[layers.1]", early_exit=True) as buf:
         assert catcher.run(x) is None
         assert catcher.run(x) is None
     assert blocks.tail.calls == 0
@@ -151,7 +151,7 @@ def test_early_exit_fires_after_the_last_capture_in_execution_order(blocks: Bloc
     x = torch.randn(2, 8)
     expected = manual_layer_outputs(blocks, x)
     # Listed last-first, and the input of layers.3 happens after the output of layers.2.
-    with catcher.for_product("outputs[layers.2|layers.0]|inputs[layers.3]") as buf:
+    with catcher.from_spec("outputs[layers.2|layers.0]|inputs[layers.3]", early_exit=True) as buf:
         assert catcher.run(x) is None
     assert torch.equal(buf["layers.0"]["outputs"][0], expected[0])
     assert torch.equal(buf["layers.2"]["outputs"][0], expected[2])
@@ -161,7 +161,7 @@ def test_early_exit_fires_after_the_last_capture_in_execution_order(blocks: Bloc
 
 def test_output_hooks_fire_after_the_whole_subtree(blocks: Blocks) -> None:
     catcher = ModelIOCatcher(blocks, "cpu")
-    with catcher.for_product("outputs[layers.0|layers.0.0]") as buf:
+    with catcher.from_spec("outputs[layers.0|layers.0.0]", early_exit=True) as buf:
         catcher.run(torch.randn(1, 8))
     assert len(buf["layers.0"]["outputs"]) == 1 and len(buf["layers.0.0"]["outputs"]) == 1
 
@@ -181,7 +181,7 @@ def test_a_requested_module_that_never_runs_lets_the_forward_complete() -> None:
     model = Branchy()
     catcher = ModelIOCatcher(model, "cpu")
     x = torch.randn(1, 4)
-    with catcher.for_product("outputs[first|unused]", early_exit=True) as buf:
+    with catcher.from_spec("outputs[first|unused]", early_exit=True) as buf:
         out = catcher.run(x)
     assert torch.equal(out, model.first(x)) and model.tail.calls == 1
     assert len(buf["first"]["outputs"]) == 1 and buf["unused"]["outputs"] == []
@@ -189,9 +189,12 @@ def test_a_requested_module_that_never_runs_lets_the_forward_complete() -> None:
 
 def test_early_exit_needs_run_and_says_so(blocks: Blocks) -> None:
     catcher = ModelIOCatcher(blocks, "cpu")
-    with catcher.for_product("outputs[layers.0]"), pytest.raises(CaptureError, match="catcher.run"):
+    with (
+        catcher.from_spec("outputs[layers.0]", early_exit=True),
+        pytest.raises(CaptureError, match="catcher.run"),
+    ):
         blocks(torch.randn(1, 8))
-    with catcher.for_product("outputs[layers.0]", early_exit=False) as buf:
+    with catcher.from_spec("outputs[layers.0]", early_exit=False) as buf:
         blocks(torch.randn(1, 8))  # without early exit a direct call is fine
     assert len(buf["layers.0"]["outputs"]) == 1
 
@@ -217,7 +220,7 @@ class Swallower(nn.Module):
 def test_model_code_catching_exception_cannot_swallow_the_stop() -> None:
     model = Swallower(broad=False)
     catcher = ModelIOCatcher(model, "cpu")
-    with catcher.for_product("outputs[first]"):
+    with catcher.from_spec("outputs[first]", early_exit=True):
         assert catcher.run(torch.randn(1, 4)) is None
     assert model.tail.calls == 0
 
@@ -225,7 +228,10 @@ def test_model_code_catching_exception_cannot_swallow_the_stop() -> None:
 def test_a_model_swallowing_base_exceptions_gets_a_warning() -> None:
     model = Swallower(broad=True)
     catcher = ModelIOCatcher(model, "cpu")
-    with catcher.for_product("outputs[first]"), pytest.warns(RuntimeWarning, match="swallowed"):
+    with (
+        catcher.from_spec("outputs[first]", early_exit=True),
+        pytest.warns(RuntimeWarning, match="swallowed"),
+    ):
         catcher.run(torch.randn(1, 4))
 
 
@@ -246,12 +252,12 @@ def test_shared_module_called_twice() -> None:
     with torch.no_grad():
         first = model.block(x)
         second = model.block(first)
-    with catcher.for_product("outputs[block]", early_exit=False) as buf:
+    with catcher.from_spec("outputs[block]", early_exit=False) as buf:
         catcher.run(x)
     captured = buf["block"]["outputs"]
     assert len(captured) == 2
     assert torch.equal(captured[0], first) and torch.equal(captured[1], second)
-    with catcher.for_product("outputs[block|mid]", early_exit=True) as buf:
+    with catcher.from_spec("outputs[block|mid]", early_exit=True) as buf:
         assert catcher.run(x) is None  # stops at `mid`: the second call of `block` never happens
     assert len(buf["block"]["outputs"]) == 1 and torch.equal(buf["block"]["outputs"][0], first)
 
@@ -261,21 +267,21 @@ def test_unknown_names_and_empty_requests(blocks: Blocks) -> None:
     with pytest.raises(KeyError, match="did you mean 'layers.1'.*lightning-iocatch modules"):
         catcher(outputs=["layer.1"])
     with pytest.raises(UnknownModuleError, match="glob 'heads.\\*' matches no module"):
-        catcher.for_product("outputs[heads.*]")
+        catcher.from_spec("outputs[heads.*]")
     with pytest.raises(ValueError, match="selects no module"):
-        catcher.for_product("inputs[]")
+        catcher.from_spec("inputs[]")
     with pytest.raises(ValueError, match="selects no module"):
         catcher()
     with pytest.raises(SpecError):
-        catcher.for_product("output[layers.0]")
-    with pytest.raises(TypeError, match="for_product"):
+        catcher.from_spec("output[layers.0]")
+    with pytest.raises(TypeError, match="from_spec"):
         catcher(outputs="layers.0")
     assert hook_count(blocks) == 0
 
 
 def test_globs_in_a_session(blocks: Blocks) -> None:
     catcher = ModelIOCatcher(blocks, "cpu")
-    with catcher.for_product("outputs[layers.*]", early_exit=True) as buf:
+    with catcher.from_spec("outputs[layers.*]", early_exit=True) as buf:
         catcher.run(torch.randn(1, 8))
     assert list(buf) == [f"layers.{i}" for i in range(4)]
     assert blocks.tail.calls == 0

@@ -51,7 +51,7 @@ def test_compiled_model_captures_equal_eager_with_bounded_recompiles() -> None:
     seen_sets: set[str] = set()
     for spec in specs:
         frames_before = counters["frames"]["total"]
-        with catcher.for_product(spec, early_exit=False) as buf:
+        with catcher.from_spec(spec, early_exit=False) as buf:
             compiled(x)
             frames_in_session = counters["frames"]["total"]
             compiled(x)
@@ -82,7 +82,7 @@ def test_compiled_submodule_names_with_or_without_orig_mod_and_early_exit() -> N
     catcher = ModelIOCatcher(outer, "cpu")
     assert "body.layers.1" in catcher.module_names
     for spec in ["outputs[body.layers.1]", "outputs[body._orig_mod.layers.1]"]:
-        with catcher.for_product(spec, early_exit=True) as buf:
+        with catcher.from_spec(spec, early_exit=True) as buf:
             assert catcher.call(outer.body, x) is None
         assert torch.equal(buf["body.layers.1"]["outputs"][0], expected[1])
         assert torch.equal(buf["body._orig_mod.layers.1"]["outputs"][0], expected[1])
@@ -97,7 +97,7 @@ def test_inductor_compiled_model_captures_equal_eager() -> None:
     reference = compiled(x)
     expected = eager_layer_outputs(net, x)
     catcher = ModelIOCatcher(compiled, None)
-    with catcher.for_product("outputs[layers.*]", early_exit=False) as buf:
+    with catcher.from_spec("outputs[layers.*]", early_exit=False) as buf:
         out = compiled(x)
     assert torch.allclose(out, reference)
     for i in range(4):

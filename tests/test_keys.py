@@ -24,7 +24,7 @@ def test_keys_follow_the_captured_structure() -> None:
     model = GPT2Model(config).eval()
     ids = torch.randint(0, 32, (3, 5))
     catcher = ModelIOCatcher(model, "cpu")
-    with catcher.for_product("inputs[h.0]|outputs[h.1|]", early_exit=False) as buf:
+    with catcher.from_spec("inputs[h.0]|outputs[h.1|]", early_exit=False) as buf:
         model(ids, attention_mask=torch.ones(3, 5, dtype=torch.long))
     catcher_outputs = ModelIOCatcher(model, "cpu")
     with catcher_outputs(outputs=[""]) as whole:

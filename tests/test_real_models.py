@@ -28,7 +28,7 @@ def test_gpt2_block_outputs_equal_output_hidden_states() -> None:
     model = tiny_gpt2()
     ids = torch.randint(0, 128, (2, 12))
     catcher = ModelIOCatcher(model, "cpu")
-    with catcher.for_product("outputs[transformer.h.*]|inputs[transformer.ln_f]", False) as buf:
+    with catcher.from_spec("outputs[transformer.h.*]|inputs[transformer.ln_f]", False) as buf:
         reference = model(ids, output_hidden_states=True).hidden_states
     blocks = [buf[f"transformer.h.{i}"]["outputs"][0] for i in range(4)]
     for i in range(3):  # hidden_states[i + 1] is the output of block i ...
@@ -43,7 +43,7 @@ def test_gpt2_early_exit_returns_none_and_keeps_values() -> None:
     ids = torch.randint(0, 128, (2, 12))
     reference = model(ids, output_hidden_states=True).hidden_states
     catcher = ModelIOCatcher(model, "cpu")
-    with catcher.for_product("outputs[transformer.h.1]", early_exit=True) as buf:
+    with catcher.from_spec("outputs[transformer.h.1]", early_exit=True) as buf:
         assert catcher.run(input_ids=ids) is None
     assert torch.equal(buf["transformer.h.1"]["outputs"][0], reference[2])
 
@@ -77,7 +77,7 @@ def test_reference_docstring_example_runs_as_written() -> None:
     assert buf["model.layers.0"]["inputs"][0]["args"][0].shape == (3, 6)  # layer 0 input
 
     # Only need layer 5's output? Skip layers 6.. on *every* batch:
-    with catcher.for_product("outputs[model.layers.5]", early_exit=True) as buf:
+    with catcher.from_spec("outputs[model.layers.5]", early_exit=True) as buf:
         for batch in loader:
             assert catcher.run(**batch) is None  # returns None, cut short
     hidden = buf["model.layers.5"]["outputs"]  # one tensor per batch
@@ -88,7 +88,7 @@ def test_reference_docstring_example_runs_as_written() -> None:
 def test_hugging_face_model_outputs_keep_their_type(early_exit: bool) -> None:
     model = tiny_gpt2(2)
     catcher = ModelIOCatcher(model, "cpu")
-    with catcher.for_product("outputs[transformer]", early_exit=early_exit) as buf:
+    with catcher.from_spec("outputs[transformer]", early_exit=early_exit) as buf:
         catcher.run(torch.randint(0, 128, (1, 5)))
     captured = buf["transformer"]["outputs"][0]
     assert type(captured).__name__ == "BaseModelOutputWithPastAndCrossAttentions"

@@ -96,26 +96,3 @@ def test_capture_transfer_on_cpu_is_synchronous_and_private() -> None:
     assert events == [] and copied["x"][0].dtype == torch.float16
     live += 1
     assert torch.equal(copied["x"][0], torch.ones(3, dtype=torch.float16))
-
-
-def test_reading_a_capture_buffer_waits_for_pending_copies() -> None:
-    from lightning_iocatch import CaptureBuffer
-
-    class FakeEvent:
-        def __init__(self) -> None:
-            self.waited = False
-
-        def synchronize(self) -> None:
-            self.waited = True
-
-    for read in (
-        lambda b: b["m"],
-        lambda b: b.get("m"),
-        lambda b: list(b.items()),
-        lambda b: list(b.values()),
-    ):
-        buffer = CaptureBuffer.empty(["m"])
-        event = FakeEvent()
-        buffer.add_pending([event])  # type: ignore[list-item]
-        read(buffer)
-        assert event.waited

@@ -56,11 +56,11 @@ def test_async_captures_equal_synchronous_copies(early_exit: bool) -> None:
     batches = [torch.randint(0, 512, (8, 128), device="cuda") for _ in range(200)]
     fast = ModelIOCatcher(model, "cpu", pinned_memory_bytes=16 << 20)  # small: it gets waited on
     slow = ModelIOCatcher(model, "cpu", pinned_memory_bytes=0)
-    with torch.no_grad(), fast.for_product(SPEC, early_exit=early_exit) as got:
+    with torch.no_grad(), fast.from_spec(SPEC, early_exit=early_exit) as got:
         for ids in batches:
             fast.run(ids)
             pressure()
-    with torch.no_grad(), slow.for_product(SPEC, early_exit=early_exit) as expected:
+    with torch.no_grad(), slow.from_spec(SPEC, early_exit=early_exit) as expected:
         for ids in batches:
             slow.run(ids)
     got_tensors, expected_tensors = flat(got), flat(expected)
@@ -77,8 +77,8 @@ def test_captures_read_inside_the_session_are_complete() -> None:
     on_gpu = ModelIOCatcher(model, None)  # a private copy on the GPU, stream-ordered
     with (
         torch.no_grad(),
-        to_cpu.for_product("outputs[h.5]", False) as cpu_buf,
-        on_gpu.for_product("outputs[h.5]", False) as gpu_buf,
+        to_cpu.from_spec("outputs[h.5]", False) as cpu_buf,
+        on_gpu.from_spec("outputs[h.5]", False) as gpu_buf,
     ):
         for _ in range(50):
             model(torch.randint(0, 512, (8, 128), device="cuda"))

@@ -12,17 +12,22 @@ are plain lists.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal
-
-import torch
+from typing import Any, Literal, Protocol
 
 from lightning_iocatch.errors import UnknownModuleError
 from lightning_iocatch.spec import canonical_name, unknown_name_message
 
-__all__ = ["CaptureBuffer", "Kind"]
+__all__ = ["CaptureBuffer", "Kind", "Pending"]
 
 Kind = Literal["inputs", "outputs"]
 Entries = dict[str, list[Any]]
+
+
+class Pending(Protocol):
+    """An asynchronous copy still in flight (:class:`~lightning_iocatch.pinned_ring.StagedCopy`)."""
+
+    def synchronize(self) -> None:
+        """Wait until the copy is complete and its value readable."""
 
 
 class CaptureBuffer(Mapping[str, Entries]):
@@ -36,6 +41,7 @@ class CaptureBuffer(Mapping[str, Entries]):
 
     Example:
         >>> buf = CaptureBuffer.empty(["h.0"])
+        >>> import torch
         >>> buf.add("h.0", "outputs", torch.zeros(2))
         >>> len(buf["h.0"]["outputs"]), list(buf)
         (1, ['h.0'])
@@ -49,16 +55,14 @@ class CaptureBuffer(Mapping[str, Entries]):
             for name, kinds in (data or {}).items()
         }
         self._waiting: list[tuple[str, Kind, Any]] = []  # captured, copy not yet complete
-        self._events: list[torch.cuda.Event] = []
+        self._events: list[Pending] = []
 
     @classmethod
     def empty(cls, names: Iterable[str]) -> CaptureBuffer:
         """A buffer with no entries yet for each of ``names``."""
         return cls({name: {"inputs": [], "outputs": []} for name in names})
 
-    def add(
-        self, name: str, kind: Kind, value: Any, events: Iterable[torch.cuda.Event] = ()
-    ) -> None:
+    def add(self, name: str, kind: Kind, value: Any, events: Iterable[Pending] = ()) -> None:
         """Add a captured value; it becomes readable once every one of ``events`` completed."""
         events = list(events)
         if not events and not self._waiting:
@@ -69,8 +73,9 @@ class CaptureBuffer(Mapping[str, Entries]):
 
     def settle(self) -> None:
         """Wait for every asynchronous copy and make the values readable, in capture order."""
-        while self._events:
-            self._events.pop().synchronize()
+        events, self._events = self._events, []
+        for event in events:  # oldest first, the order the copies were enqueued
+            event.synchronize()
         waiting, self._waiting = self._waiting, []
         for name, kind, value in waiting:
             self._data[name][kind].append(value)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_iocatch.buffer import CaptureBuffer, Kind
+from lightning_iocatch.buffer import CaptureBuffer, Kind, Pending
 from lightning_iocatch.compiled import prepare_for_hooks
 from lightning_iocatch.errors import CaptureError
 from lightning_iocatch.spec import CaptureSpec, canonical_name, resolve_names
@@ -213,7 +213,7 @@ class CaptureSession:
     def _begin_forward(self) -> None:
         self._pending = set(self._targets)
 
-    def _record(self, name: str, kind: Kind, value: Any, events: list[torch.cuda.Event]) -> None:
+    def _record(self, name: str, kind: Kind, value: Any, events: Sequence[Pending]) -> None:
         coordinator = self.catcher.coordinator
         if self.early_exit and coordinator.run_depth == 0:
             raise CaptureError(

@@ -4,10 +4,10 @@ This module is the only place where captured tensors change device or dtype. Two
 
 - :func:`transfer_to_device`: synchronous; what it returns is complete.
 - :class:`CaptureTransfer`: what the catcher uses. CUDA tensors bound for the CPU are
-  copied asynchronously into pinned host memory on a side stream, ordered after the
-  kernels that produced them; it returns the CUDA events that mark the copies done, and
-  nothing may read the host tensors before those events complete (the capture buffer
-  waits for them on every read). Pinned memory is capped by a :class:`PinnedBudget`.
+  snapshotted on the model's stream and copied asynchronously through a fixed ring of
+  pinned memory (:mod:`lightning_iocatch.host_copy`); it returns the pending copies, and
+  nothing may read the host tensors before they are waited for (the capture buffer
+  does so on every read).
 """
 
 from __future__ import annotations
@@ -15,18 +15,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import threading
-import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from lightning_iocatch.host_copy import CudaOps, HostCopier
+from lightning_iocatch.pinned_ring import StagedCopy
+
 __all__ = [
     "CaptureTransfer",
     "NotCaptured",
-    "PinnedBudget",
     "map_tensors",
     "snapshot",
     "transfer_to_device",
@@ -186,82 +185,13 @@ def snapshot(
     return map_tensors(copied, _keep_tensor, _placeholder_unless_immutable)
 
 
-def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, pin_memory=True)
-
-
-class PinnedBudget:
-    """At most ``cap_bytes`` of pinned host memory held by captured tensors at once.
-
-    :meth:`empty` hands out a pinned tensor and counts its bytes until the tensor is
-    garbage collected (a consumer such as a feature writer dropped it). When the budget
-    is spent it waits up to ``wait_s`` seconds for consumers to drop tensors, then gives
-    up (returns ``None``) so that the caller copies synchronously into ordinary memory
-    instead of pinning without bound. Thread-safe.
-
-    Example:
-        >>> budget = PinnedBudget(64, allocate=lambda shape, dtype: torch.empty(shape, dtype=dtype))
-        >>> first = budget.empty(torch.Size([8]), torch.float32)   # 32 bytes
-        >>> budget.in_use, budget.empty(torch.Size([16]), torch.float32)  # over the cap
-        (32, None)
-        >>> del first
-        >>> budget.in_use
-        0
-    """
-
-    def __init__(
-        self,
-        cap_bytes: int,
-        *,
-        wait_s: float = 0.0,
-        allocate: Callable[[torch.Size, torch.dtype], torch.Tensor] = _pinned_empty,
-    ) -> None:
-        if cap_bytes < 0 or wait_s < 0:
-            raise ValueError("`cap_bytes` and `wait_s` must be >= 0")
-        self.cap_bytes = cap_bytes
-        self.wait_s = wait_s
-        self.in_use = 0
-        self.peak = 0
-        self._allocate = allocate
-        self._free = threading.Condition()
-        self._starved = False
-
-    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
-        """A pinned tensor counted against the budget, or ``None`` if it does not fit."""
-        nbytes = shape.numel() * dtype.itemsize
-        if nbytes > self.cap_bytes:
-            return None
-        with self._free:
-            fits = self._free.wait_for(
-                lambda: self.in_use + nbytes <= self.cap_bytes,
-                timeout=0.0 if self._starved else self.wait_s,
-            )
-            if not fits:
-                self._starved = True  # no more waiting until some memory comes back
-                return None
-            self.in_use += nbytes
-            self.peak = max(self.peak, self.in_use)
-        try:
-            tensor = self._allocate(shape, dtype)
-        except BaseException:
-            self._release(nbytes)
-            raise
-        weakref.finalize(tensor, self._release, nbytes)
-        return tensor
-
-    def _release(self, nbytes: int) -> None:
-        with self._free:
-            self.in_use -= nbytes
-            self._starved = False
-            self._free.notify_all()
-
-
 class CaptureTransfer:
     """The catcher's copy of captured values: detached, private, on ``device``, cast.
 
-    CUDA tensors bound for the CPU go through pinned memory asynchronously (see the
-    module docstring); everything else is copied as :func:`transfer_to_device` does.
-    ``pinned_bytes=0`` turns the asynchronous path off.
+    CUDA tensors bound for the CPU are copied asynchronously through a fixed ring of
+    ``pinned_bytes`` of pinned memory, in a way that cannot race with the model (see
+    :mod:`lightning_iocatch.host_copy`); everything else is copied as
+    :func:`transfer_to_device` does. ``pinned_bytes=0`` turns the asynchronous path off.
     """
 
     def __init__(
@@ -270,68 +200,24 @@ class CaptureTransfer:
         dtype: torch.dtype | None = None,
         *,
         pinned_bytes: int = 256 << 20,
-        wait_s: float = 5.0,
+        ops: CudaOps | None = None,
     ) -> None:
+        if pinned_bytes < 0:
+            raise ValueError(f"`pinned_bytes` must be >= 0, got {pinned_bytes}")
         self.device = device
         self.dtype = dtype
-        self.budget = PinnedBudget(pinned_bytes, wait_s=wait_s) if pinned_bytes else None
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._warned = False
+        to_host = device is not None and device.type == "cpu"
+        self.host = HostCopier(pinned_bytes, ops) if pinned_bytes and to_host else None
 
-    def __call__(self, obj: Any) -> tuple[Any, list[torch.cuda.Event]]:
-        """``(copy of obj, events)``: read the copy only once every event has completed."""
-        events: list[torch.cuda.Event] = []
+    def __call__(self, obj: Any) -> tuple[Any, list[StagedCopy]]:
+        """``(copy of obj, pending)``: read the copy only once every pending copy is waited for."""
+        pending: list[StagedCopy] = []
+        host = self.host
 
         def copy_one(tensor: torch.Tensor) -> torch.Tensor:
-            if self._asynchronous(tensor):
-                copied = self._copy_to_pinned(tensor, events)
-                if copied is not None:
-                    return copied
+            dtype = _target_dtype(tensor, self.dtype)
+            if host is not None and host.accepts(tensor, dtype):
+                return host.copy(tensor, dtype, pending)
             return _copy_tensor(tensor, self.device, self.dtype)
 
-        return map_tensors(obj, copy_one, _placeholder_unless_immutable), events
-
-    def _asynchronous(self, tensor: torch.Tensor) -> bool:
-        return (
-            self.budget is not None
-            and tensor.is_cuda
-            and self.device is not None
-            and self.device.type == "cpu"
-        )
-
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)
-        return self._streams[device]
-
-    def _copy_to_pinned(
-        self, tensor: torch.Tensor, events: list[torch.cuda.Event]
-    ) -> torch.Tensor | None:
-        assert self.budget is not None
-        dtype = _target_dtype(tensor, self.dtype)
-        host = self.budget.empty(tensor.shape, dtype)
-        if host is None:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"pinned memory for captures is spent ({self.budget.cap_bytes} bytes held "
-                    "by captured tensors still alive); copying synchronously instead. Drop "
-                    "captures sooner, stream them to a writer, or raise `pinned_memory_bytes`",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            return None
-        side = self._side_stream(tensor.device)
-        side.wait_stream(torch.cuda.current_stream(tensor.device))  # after the producing kernels
-        with torch.cuda.stream(side):
-            source = tensor.detach()
-            if source.dtype != dtype:
-                source = source.to(dtype)  # cast on the GPU: fewer bytes cross the bus
-            host.copy_(source, non_blocking=True)
-            # The caching allocator must not hand the model's memory to new work on the
-            # producing stream before this copy has read it.
-            tensor.record_stream(side)
-            done = torch.cuda.Event()
-            done.record(side)
-        events.append(done)
-        return host
+        return map_tensors(obj, copy_one, _placeholder_unless_immutable), pending

@@ -1,0 +1,190 @@
+"""The GPU path without a GPU: the pinned ring's accounting, the ordering of the copies
+(with CPU fakes of the CUDA calls that defer the side-stream copy, as a GPU would), and
+the fallback. The same code runs on a GPU in tests/gpu/."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_iocatch import ModelIOCatcher
+from lightning_iocatch.host_copy import CudaOps
+from lightning_iocatch.pinned_ring import PinnedRing, StagedCopy
+from lightning_iocatch.transfer import CaptureTransfer
+
+
+def plain_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class DeferredCopy:
+    """A fake CUDA event: the side-stream copy lands only when it is waited for."""
+
+    def __init__(self, log: list[str], staging: torch.Tensor, source: torch.Tensor) -> None:
+        self.log, self.staging, self.source = log, staging, source
+        self.waited = 0
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        if self.waited == 1:
+            self.staging.copy_(self.source)
+            self.log.append("copy landed")
+
+
+class FakeCudaOps(CudaOps):
+    """CPU tensors play device tensors; the model's stream runs at once, the side stream
+    only when its event is waited for: the latest a real GPU may run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+        self.events: list[DeferredCopy] = []
+
+    def is_source(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        self.ring_buffer = plain_bytes(nbytes)
+        return self.ring_buffer
+
+    def snapshot(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        self.log.append("snapshot")
+        return super().snapshot(tensor, dtype)
+
+    def copy_to_host(self, staging: torch.Tensor, snapshot: torch.Tensor) -> Any:
+        self.log.append("copy enqueued")
+        self.events.append(DeferredCopy(self.log, staging, snapshot))
+        return self.events[-1]
+
+
+class InPlaceAfter(nn.Module):
+    """Captured ``block`` followed by in-place ops on its output and on its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        out += 100.0  # like `out += identity` after a ResNet block's last batch norm
+        x.mul_(-1.0)  # a module changing its input
+        return self.act(out)
+
+
+def synchronous_truth(model: InPlaceAfter, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    handles = [
+        model.block.register_forward_pre_hook(lambda m, a: seen.append(a[0].clone())),
+        model.block.register_forward_hook(lambda m, a, out: seen.append(out.clone())),
+    ]
+    model(x.clone())
+    for handle in handles:
+        handle.remove()
+    return seen[0], seen[1]
+
+
+def test_in_place_ops_after_the_hook_never_reach_a_capture() -> None:
+    torch.manual_seed(0)
+    model = InPlaceAfter()
+    ops = FakeCudaOps()
+    catcher = ModelIOCatcher(model, "cpu")
+    catcher.transfer = CaptureTransfer(torch.device("cpu"), pinned_bytes=1 << 16, ops=ops)
+    xs = [torch.randn(4, 8) for _ in range(50)]
+    with torch.no_grad(), catcher(inputs=["block"], outputs=["block"]) as buf:
+        for x in xs:
+            model(x.clone())
+        assert "copy landed" not in ops.log  # every copy still "in flight" after the forwards
+    with torch.no_grad():
+        truth = [synchronous_truth(model, x) for x in xs]
+    for i, (expected_in, expected_out) in enumerate(truth):
+        assert torch.equal(buf["block"]["inputs"][i]["args"][0], expected_in)
+        assert torch.equal(buf["block"]["outputs"][i], expected_out)
+    assert ops.log[:2] == ["snapshot", "copy enqueued"]
+
+
+def test_copies_read_the_snapshot_not_the_models_tensor() -> None:
+    ops = FakeCudaOps()
+    transfer = CaptureTransfer(torch.device("cpu"), torch.float16, pinned_bytes=4096, ops=ops)
+    live = torch.arange(6.0)
+    (copied,), pending = transfer((live,))
+    live.zero_()  # the model's next kernel, before the copy "runs"
+    for staged in pending:
+        staged.synchronize()
+    assert torch.equal(copied, torch.arange(6.0, dtype=torch.float16))
+    assert not _inside(copied, ops.ring_buffer)  # consumers never hold ring memory
+
+
+def _inside(tensor: torch.Tensor, ring: torch.Tensor) -> bool:
+    start = ring.data_ptr()
+    return start <= tensor.data_ptr() < start + ring.numel()
+
+
+def test_a_full_ring_waits_only_for_the_oldest_copy_and_never_sleeps(monkeypatch: Any) -> None:
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail("slept on a timer"))
+    ops = FakeCudaOps()
+    transfer = CaptureTransfer(torch.device("cpu"), pinned_bytes=1024, ops=ops)  # 4 x 256
+    kept = []  # a consumer that keeps every capture forever
+    for i in range(20):
+        (value,), _ = transfer((torch.full((64,), float(i)),))  # 256 bytes each
+        kept.append(value)
+        waited = [event.waited for event in ops.events]
+        assert waited[: max(0, i - 3)] == [1] * max(0, i - 3)  # the oldest, once each
+        assert all(w == 0 for w in waited[max(0, i - 3) :])  # never a newer one
+    assert transfer.host is not None and transfer.host.ring.waits == 16
+    for staged in list(transfer.host.ring._fifo):
+        staged.synchronize()
+    assert [float(v[0]) for v in kept] == [float(i) for i in range(20)]
+    assert transfer.host.ring.in_flight_bytes == 0
+
+
+def test_a_tensor_larger_than_the_ring_is_copied_synchronously() -> None:
+    ops = FakeCudaOps()
+    transfer = CaptureTransfer(torch.device("cpu"), pinned_bytes=256, ops=ops)
+    big = torch.arange(100.0)  # 400 bytes
+    (copied,), pending = transfer((big,))
+    assert pending == [] and ops.events == [] and torch.equal(copied, big)
+    assert copied.data_ptr() != big.data_ptr()
+    assert CaptureTransfer(torch.device("cpu"), pinned_bytes=0).host is None
+
+
+def test_staged_copies_survive_being_waited_for_out_of_order() -> None:
+    ring = PinnedRing(1024, allocate=plain_bytes)
+    log: list[str] = []
+    copies: list[tuple[StagedCopy, torch.Tensor, torch.Tensor]] = []
+    for i in range(4):
+        staged, staging = ring.stage(torch.Size([64]), torch.float32)
+        destination = torch.empty(64)
+        staged.start(staging, destination, DeferredCopy(log, staging, torch.full((64,), i)))
+        copies.append((staged, staging, destination))
+    copies[2][0].synchronize()  # a later copy first: its region stays held until 0 and 1
+    assert ring.in_flight_bytes == 768
+    staged, staging = ring.stage(torch.Size([64]), torch.float32)  # waits for copy 0 only
+    assert copies[0][0].done and not copies[1][0].done and ring.waits == 1
+    assert [float(d[0]) for c, _, d in copies if c.done] == [0.0, 2.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 700), st.booleans()), min_size=1, max_size=40))
+def test_live_regions_never_overlap_and_stay_inside_the_ring(steps: list[Any]) -> None:
+    ring = PinnedRing(1000, align=64, allocate=plain_bytes)
+    live: list[StagedCopy] = []
+    for nbytes, finish_one in steps:
+        staged, staging = ring.stage(torch.Size([nbytes]), torch.uint8)
+        staged.start(
+            staging, torch.empty(nbytes, dtype=torch.uint8), DeferredCopy([], staging, staging)
+        )
+        live = [c for c in live if not c.done] + [staged]
+        spans = sorted((c.offset, c.offset + c.nbytes) for c in live)
+        assert all(a >= 0 and b <= 1000 for a, b in spans)
+        assert all(b1 <= a2 for (_, b1), (a2, _) in itertools.pairwise(spans))
+        assert ring.in_flight_bytes <= 1000
+        if finish_one and len(live) > 1:
+            live[len(live) // 2].synchronize()

@@ -36,8 +36,8 @@ class CaptureBuffer(Mapping[str, Entries]):
     An input entry is ``{"args": tuple, "kwargs": dict}``; an output entry is whatever the
     module returned, with tensors copied (see :class:`~lightning_iocatch.NotCaptured` for
     the objects that are not). Names are those of ``model.named_modules()`` without the
-    components that wrappers insert (``_orig_mod.`` of ``torch.compile``); a name with
-    them is accepted too.
+    components that wrappers insert (:data:`~lightning_iocatch.spec.WRAPPER_COMPONENTS`);
+    a name with them is accepted too.
 
     Example:
         >>> buf = CaptureBuffer.empty(["h.0"])

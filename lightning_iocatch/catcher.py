@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_iocatch.buffer import CaptureBuffer, Kind, Pending
 from lightning_iocatch.compiled import prepare_for_hooks
 from lightning_iocatch.errors import CaptureError
-from lightning_iocatch.spec import CaptureSpec, canonical_name, resolve_names
+from lightning_iocatch.spec import WRAPPER_COMPONENTS, CaptureSpec, canonical_name, resolve_names
 from lightning_iocatch.transfer import CaptureTransfer
 
 __all__ = ["CaptureBuffer", "CaptureSession", "ForwardCoordinator", "ModelIOCatcher"]
@@ -94,9 +94,11 @@ class ForwardCoordinator:
 
 
 def module_index(model: nn.Module) -> dict[str, nn.Module]:
-    """Submodules by name, without the ``_orig_mod.`` components ``torch.compile`` adds.
+    """Submodules by name, without the components that wrappers insert.
 
-    Where a compiled wrapper and its original share a name, the original (inner) wins.
+    The components are :data:`~lightning_iocatch.spec.WRAPPER_COMPONENTS` (``torch.compile``,
+    FSDP, activation checkpointing). Where a wrapper and the module it wraps share a
+    name, the wrapped (inner) module wins: hooks go on the user's own layer.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2))
@@ -153,7 +155,7 @@ class CaptureSession:
                 "a capture session is already open on this catcher; close it before opening "
                 "another (one `with catcher(...)` at a time, or use a second ModelIOCatcher)"
             )
-        prepare_for_hooks(self.catcher.model)
+        prepare_for_hooks(self.catcher.model, self.modules)
         self.catcher._session = self
         self.catcher.coordinator.sessions.append(self)
         self._pending = set(self._targets)
@@ -230,11 +232,28 @@ class CaptureSession:
                 coordinator.maybe_stop()
 
 
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module under every wrapper (compiled, FSDP, checkpoint): one coordinator for all."""
+    for component in WRAPPER_COMPONENTS:
+        inner = getattr(model, component, None)
+        if isinstance(inner, nn.Module):
+            return _unwrapped(inner)
+    return model
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass: activation checkpointing then re-runs the
+    forward of checkpointed layers, which is not a forward to capture."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
     transfer = session.catcher.transfer
 
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _in_backward():
+            return
         entry, events = transfer({"args": args, "kwargs": kwargs})
         session._record(name, "inputs", entry, events)
 
@@ -246,6 +265,8 @@ def _output_hook(session: CaptureSession, name: str) -> Callable[..., None]:
 
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if _in_backward():
+            return
         value, events = transfer(output)
         session._record(name, "outputs", value, events)
 
@@ -256,7 +277,8 @@ class ModelIOCatcher:
     """Capture inputs and/or outputs of named submodules during forward passes.
 
     ``model`` is the module to watch; valid names are those of ``model.named_modules()``
-    (the ``_orig_mod.`` inserted by ``torch.compile`` may be left out), and names may
+    (the components wrappers insert, such as ``_orig_mod.`` of ``torch.compile`` or
+    ``_fsdp_wrapped_module.``, may be left out), and names may
     use globs (see :mod:`lightning_iocatch.spec`). ``device`` is where captured tensors
     are copied (``None``: where they are); ``dtype`` casts floating tensors. From a CUDA
     model to the CPU, copies run asynchronously on a side stream into at most
@@ -313,11 +335,11 @@ class ModelIOCatcher:
         self.transfer = CaptureTransfer(self.device, dtype, pinned_bytes=pinned_memory_bytes)
         self._session: CaptureSession | None = None
         self._requested: CaptureSession | None = None
-        self.coordinator = ForwardCoordinator.of(getattr(model, "_orig_mod", model))
+        self.coordinator = ForwardCoordinator.of(_unwrapped(model))
 
     @property
     def module_names(self) -> list[str]:
-        """Every name a session may use (without ``_orig_mod.``), in ``named_modules`` order."""
+        """Every name a session may use (without wrapper components), in ``named_modules`` order."""
         return list(self._modules())
 
     def _modules(self) -> dict[str, nn.Module]:

@@ -3,6 +3,10 @@
 They read a table of logged values, ``{name: [(epoch, value), ...]}``, as written by
 Lightning's ``CSVLogger`` (:func:`read_metrics_csv`) or kept by the probes themselves.
 matplotlib is an optional dependency: ``pip install 'lightning-iocatch[plot]'``.
+
+Figures are drawn with matplotlib's object API (``matplotlib.figure.Figure``), never
+through pyplot: drawing or saving them leaves the process's backend (a notebook's
+inline backend, say) as it was, and they need no closing.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from matplotlib.colors import Colormap
     from matplotlib.figure import Figure
 
 __all__ = [
@@ -30,17 +35,21 @@ _PROBE = re.compile(r"^iocatch/(?!cka/)(.+)/(\w+)_(acc|r2)$")
 _CKA = re.compile(r"^iocatch/cka/(.+)~(.+)$")
 
 
-def _pyplot() -> Any:
+def _new_figure(width: float, height: float) -> Figure:
+    """A figure of the ``Figure`` API: no pyplot, so the process's backend is never touched."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as error:
         raise ImportError(
             "plotting needs matplotlib: pip install 'lightning-iocatch[plot]'"
         ) from error
-    return plt
+    return Figure(figsize=(width, height))
+
+
+def _colormap(name: str) -> Colormap:
+    import matplotlib
+
+    return matplotlib.colormaps[name]
 
 
 def _natural(text: str) -> list[Any]:
@@ -84,12 +93,12 @@ def _probe_table(history: History) -> tuple[list[str], list[int], dict[tuple[str
 
 def probe_by_layer(history: History) -> Figure:
     """Held-out probe score of every captured tensor (x) for every epoch (one line each)."""
-    plt = _pyplot()
     layers, epochs, table = _probe_table(history)
     if not layers:
         raise ValueError("no probe_acc or probe_r2 values to plot (no LinearProbe was logged)")
-    figure, axes = plt.subplots(figsize=(max(5.0, 0.9 * len(layers) + 2), 4))
-    colours = plt.get_cmap("viridis")
+    figure = _new_figure(max(5.0, 0.9 * len(layers) + 2), 4)
+    axes = figure.add_subplot()
+    colours = _colormap("viridis")
     for number, epoch in enumerate(epochs):
         values = [table.get((layer, epoch), math.nan) for layer in layers]
         colour = colours(number / max(1, len(epochs) - 1))
@@ -105,7 +114,6 @@ def probe_by_layer(history: History) -> Figure:
 
 def cka_heatmap(history: History, epoch: int | None = None) -> Figure:
     """Linear CKA between every pair of captured tensors, at ``epoch`` (default: the last)."""
-    plt = _pyplot()
     pairs: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for name, points in history.items():
         match = _CKA.match(name)
@@ -119,8 +127,9 @@ def cka_heatmap(history: History, epoch: int | None = None) -> Figure:
     for (a, b), points in pairs.items():
         value = dict(points).get(last, math.nan)
         grid[names.index(a)][names.index(b)] = grid[names.index(b)][names.index(a)] = value
-    figure, axes = plt.subplots(figsize=(0.6 * len(names) + 3, 0.6 * len(names) + 2))
-    image = axes.imshow(grid, vmin=0, vmax=1, cmap="magma")
+    figure = _new_figure(0.6 * len(names) + 3, 0.6 * len(names) + 2)
+    axes = figure.add_subplot()
+    image = axes.imshow(grid, vmin=0, vmax=1, cmap=_colormap("magma"))
     axes.set_xticks(range(len(names)), names, rotation=45, ha="right")
     axes.set_yticks(range(len(names)), names)
     for i, row in enumerate(grid):
@@ -135,8 +144,11 @@ def cka_heatmap(history: History, epoch: int | None = None) -> Figure:
 
 
 def close_figure(figure: Figure) -> None:
-    """Release a figure drawn here."""
-    _pyplot().close(figure)
+    """Release a figure drawn here: nothing to do, kept for callers that pair draw and close.
+
+    The figures are plain ``matplotlib.figure.Figure`` objects that pyplot never saw, so
+    no figure manager holds them; they are freed like any object once unreferenced.
+    """
 
 
 def save_probe_figures(history: History, out_dir: str | os.PathLike[str]) -> list[Path]:

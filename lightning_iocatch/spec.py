@@ -9,7 +9,9 @@ Each section may appear at most once, in any order, and may be empty (``inputs[]
 Items are stripped and empty items are dropped. An item is a dotted module name as
 listed by ``model.named_modules()``, possibly with globs: ``*`` matches within one
 dotted component (``layers.*``, ``h.1*``), ``**`` matches any number of components,
-none included (``encoder.**.mlp``).
+none included (``encoder.**.mlp``). Names are written without the components that
+wrappers insert (:data:`WRAPPER_COMPONENTS`: ``torch.compile``, FSDP, activation
+checkpointing); a name that keeps them is accepted too.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from fnmatch import fnmatchcase
 from lightning_iocatch.errors import SpecError, UnknownModuleError
 
 __all__ = [
+    "WRAPPER_COMPONENTS",
     "CaptureSpec",
     "canonical_name",
+    "close_names",
     "format_io_spec",
     "parse_io_spec",
     "resolve_names",
@@ -36,6 +40,15 @@ LIST_NAMES_HINT = (
     "list valid names with `lightning-iocatch modules` or `[n for n, _ in model.named_modules()]`"
 )
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NUMBER = re.compile(r"\d+")
+
+WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+"""Name components that wrappers insert between a module and its parent, dropped from names.
+
+``_orig_mod``: ``torch.compile`` (``OptimizedModule``); ``_fsdp_wrapped_module``:
+``FullyShardedDataParallel`` (Lightning's ``FSDPStrategy``); ``_checkpoint_wrapped_module``:
+``checkpoint_wrapper`` and ``offload_wrapper`` (FSDP's activation checkpointing).
+"""
 
 
 @dataclass(frozen=True)
@@ -178,13 +191,19 @@ def _is_glob(item: str) -> bool:
 
 
 def canonical_name(name: str) -> str:
-    """Drop the ``_orig_mod`` components that ``torch.compile`` inserts into module names.
+    """Drop the wrapper components (:data:`WRAPPER_COMPONENTS`) from a module name.
+
+    ``torch.compile`` inserts ``_orig_mod``, FSDP ``_fsdp_wrapped_module`` and activation
+    checkpointing ``_checkpoint_wrapped_module``; the plain name the user wrote for the
+    layer is what is left.
 
     Example:
         >>> canonical_name("model._orig_mod.layers.0")
         'model.layers.0'
+        >>> canonical_name("_fsdp_wrapped_module.layers.3._checkpoint_wrapped_module.mlp")
+        'layers.3.mlp'
     """
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
 
 
 def _split(name: str) -> list[str]:
@@ -194,8 +213,10 @@ def _split(name: str) -> list[str]:
 def resolve_names(items: Iterable[str], available: Sequence[str]) -> list[str]:
     """Expand names and globs against ``available`` module names, keeping order, no repeats.
 
-    An exact name must be in ``available`` (or carry a ``_orig_mod.`` prefix added by
-    ``torch.compile``); a glob must match at least one name. Otherwise
+    ``available`` holds canonical names (see :func:`canonical_name`); items are made
+    canonical first, so a name written with the wrapper components that ``torch.compile``,
+    FSDP or activation checkpointing insert resolves like the plain one. An exact name
+    must be in ``available``; a glob must match at least one name. Otherwise
     :class:`UnknownModuleError` says what is close and how to list valid names.
 
     Example:
@@ -222,7 +243,89 @@ def resolve_names(items: Iterable[str], available: Sequence[str]) -> list[str]:
 
 
 def unknown_name_message(name: str, available: Sequence[str]) -> str:
-    """Say that ``name`` is unknown, which names are close, and how to list them all."""
-    close = difflib.get_close_matches(name, [n for n in available if n], n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    """Say that ``name`` is unknown, which names are close, and how to list them all.
+
+    A suggestion keeps every number of the request (``layers.12`` is never "close" to
+    ``layers.1``: it is another layer); only the words may differ. When no name with the
+    same numbers is close, the message says which indices the container has instead.
+
+    Example:
+        >>> names = ["model", "model.layers", "model.layers.0", "model.layers.1"]
+        >>> unknown_name_message("model.layer.1", names).split(" list")[0]
+        "unknown module name 'model.layer.1'; did you mean 'model.layers.1'?"
+        >>> unknown_name_message("model.layers.12", names).split(" list")[0]
+        "unknown module name 'model.layers.12'; 'model.layers' has 0..1, not 12."
+    """
+    request = canonical_name(name)
+    names = [n for n in available if n]
+    close = close_names(request, names)
+    if close:
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?"
+    else:
+        hint = _index_hint(request, names)
     return f"unknown module name {name!r}{hint} {LIST_NAMES_HINT}"
+
+
+def close_names(name: str, available: Iterable[str], cutoff: float = 0.6) -> list[str]:
+    """Up to three names of ``available`` close to ``name`` that keep all its numbers.
+
+    Names that end with ``"." + name`` (a prefix left out) come first; otherwise
+    ``difflib`` picks among the names with the same numbers, in the same order.
+
+    Example:
+        >>> close_names("layers.1", ["model.layers.1", "model.layers.11", "model.layer.1"])
+        ['model.layers.1']
+        >>> close_names("model.layers.12", ["model.layers.1", "model.layers.2"])
+        []
+    """
+    numbers = _numbers(name)
+    same_numbers = [n for n in available if _numbers(n) == numbers]
+    close = [n for n in same_numbers if n.endswith("." + name)][:3]  # a prefix left out
+    return close or difflib.get_close_matches(name, same_numbers, n=3, cutoff=cutoff)
+
+
+def _numbers(name: str) -> tuple[int, ...]:
+    return tuple(int(number) for number in _NUMBER.findall(name))
+
+
+def _index_hint(request: str, names: Sequence[str]) -> str:
+    """``"; 'model.layers' has 0..11, not 12."`` for the first index of ``request`` out of range.
+
+    A misspelled container (``model.layer.12``) is matched to the closest one that has
+    numbered children and the same numbers in its own name.
+    """
+    children: dict[str, set[int]] = {}
+    for full in names:
+        parent, _, last = full.rpartition(".")
+        if last.isdigit():
+            children.setdefault(parent, set()).add(int(last))
+    parts = _split(request)
+    position = 0
+    while position < len(parts):
+        part = parts[position]
+        if part.isdigit():
+            parent = ".".join(parts[:position])
+            if parent not in children:
+                alike = [c for c in children if c and _numbers(c) == _numbers(parent)]
+                fixes = difflib.get_close_matches(parent, alike, n=1, cutoff=0.6)
+                if not fixes:
+                    return ""
+                parent = fixes[0]
+            if int(part) not in children[parent]:
+                where = repr(parent) if parent else "the model"
+                return f"; {where} has {_ranges(sorted(children[parent]))}, not {part}."
+            parts[:position] = _split(parent)
+            position = len(_split(parent))
+        position += 1
+    return ""
+
+
+def _ranges(numbers: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0..2, 5, 7..8"``."""
+    spans: list[list[int]] = []
+    for number in numbers:
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in spans)

@@ -155,3 +155,98 @@ def test_unknown_name_suggests_close_names_and_how_to_list() -> None:
 def test_canonical_name_strips_compile_wrappers() -> None:
     assert canonical_name("_orig_mod") == ""
     assert canonical_name("a._orig_mod.b") == "a.b"
+
+
+def test_canonical_name_strips_every_wrapper_component() -> None:
+    assert canonical_name("_fsdp_wrapped_module") == ""
+    raw = "_fsdp_wrapped_module.encoder.0._fsdp_wrapped_module._checkpoint_wrapped_module.mlp"
+    assert canonical_name(raw) == "encoder.0.mlp"
+    assert canonical_name("h._orig_mod.10") == "h.10"
+    assert canonical_name("encoder.orig_mod.fsdp_wrapped_module") == (
+        "encoder.orig_mod.fsdp_wrapped_module"
+    )  # only the exact components are wrapper components
+
+
+@pytest.mark.parametrize(
+    ("items", "expected"),
+    [
+        (["_fsdp_wrapped_module.encoder.1._checkpoint_wrapped_module.mlp"], ["encoder.1.mlp"]),
+        (["encoder.0._checkpoint_wrapped_module"], ["encoder.0"]),
+        (["encoder.*._fsdp_wrapped_module.mlp"], ["encoder.0.mlp", "encoder.1.mlp"]),
+        (["_orig_mod.**._checkpoint_wrapped_module.fc"], ["encoder.0.mlp.fc", "encoder.1.mlp.fc"]),
+    ],
+)
+def test_wrapped_spellings_resolve_to_the_plain_names(
+    items: list[str], expected: list[str]
+) -> None:
+    assert resolve_names(items, NAMES) == expected
+
+
+DECODER = ["", "model", "model.embed", "model.layers", "model.norm"]
+DECODER += [f"model.layers.{i}{part}" for i in range(12) for part in ("", ".mlp", ".attn")]
+DECODER += [f"model.layers.3.experts.{e}" for e in range(8)]
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        ("model.layer.3", r"did you mean 'model\.layers\.3'"),
+        ("layers.1", r"did you mean 'model\.layers\.1'\?"),
+        ("layers.11", r"did you mean 'model\.layers\.11'\?"),
+        ("model.layers.1.mpl", r"did you mean 'model\.layers\.1\.mlp'"),
+        ("model._orig_mod.layer.7", r"did you mean 'model\.layers\.7'"),
+        ("model.layers.12", r"; 'model\.layers' has 0\.\.11, not 12\. list valid names"),
+        ("model.layer.12.mlp", r"; 'model\.layers' has 0\.\.11, not 12\."),
+        ("model.layers.3.experts.9", r"; 'model\.layers\.3\.experts' has 0\.\.7, not 9\."),
+        ("model.layers.3.expert.8", r"; 'model\.layers\.3\.experts' has 0\.\.7, not 8\."),
+    ],
+)
+def test_did_you_mean_never_points_at_another_index(request_: str, message: str) -> None:
+    with pytest.raises(UnknownModuleError, match=message) as info:
+        resolve_names([request_], DECODER)
+    suggested = _suggestions(str(info.value))
+    assert all(name in DECODER and _numbers(name) == _numbers(request_) for name in suggested)
+    assert bool(suggested) == ("did you mean" in message)
+
+
+def _numbers(name: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", name)]
+
+
+def _suggestions(message: str) -> list[str]:
+    if "did you mean" not in message:
+        return []
+    return re.findall(r"'([^']*)'", message.split("did you mean")[1].split("?")[0])
+
+
+def _listed_indices(message: str) -> set[int]:
+    listed = message.split(" has ")[1].split(", not")[0]
+    indices: set[int] = set()
+    for span in listed.split(", "):
+        first, _, last = span.partition("..")
+        indices.update(range(int(first), int(last or first) + 1))
+    return indices
+
+
+@given(
+    st.lists(st.integers(0, 30), min_size=1, max_size=12, unique=True),
+    st.integers(0, 40),
+    st.sampled_from(["model.layers.{}", "layers.{}", "model.layer.{}.mlp", "h.{}", "{}"]),
+)
+def test_suggestions_keep_the_requested_indices(
+    present: list[int], index: int, template: str
+) -> None:
+    names = ["", "model", "model.layers", "h"]
+    names += [f"model.layers.{i}{s}" for i in present for s in ("", ".mlp")]
+    names += [f"h.{i}" for i in present] + [str(i) for i in present]
+    request_ = template.format(index)
+    if request_ in names:
+        return
+    with pytest.raises(UnknownModuleError) as info:
+        resolve_names([request_], names)
+    text = str(info.value)
+    for name in _suggestions(text):
+        assert name in names and _numbers(name) == _numbers(request_)
+    if " has " in text:
+        assert not _suggestions(text)
+        assert _listed_indices(text) == set(present) and index not in present

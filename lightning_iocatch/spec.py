@@ -178,12 +178,21 @@ def format_io_spec(inputs: Iterable[str] = (), outputs: Iterable[str] = ()) -> s
 
 
 def _glob_matches(pattern: Sequence[str], name: Sequence[str]) -> bool:
-    if not pattern:
-        return not name
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_glob_matches(rest, name[i:]) for i in range(len(name) + 1))
-    return bool(name) and fnmatchcase(name[0], head) and _glob_matches(rest, name[1:])
+    """Whether dotted ``name`` matches ``pattern`` (``*`` in a component, ``**`` for any
+    number of components), in ``len(pattern) * len(name)`` steps whatever the ``**``s.
+    """
+    reachable = [True] + [False] * len(name)  # name[:i] matched by the pattern so far
+    for head in pattern:
+        if head == "**":  # from the first reachable position on, everything is reachable
+            first = reachable.index(True) if True in reachable else len(reachable)
+            reachable = [i >= first for i in range(len(reachable))]
+        else:
+            reachable = [False] + [
+                reachable[i] and fnmatchcase(name[i], head) for i in range(len(name))
+            ]
+        if not any(reachable):
+            return False
+    return reachable[-1]
 
 
 def _is_glob(item: str) -> bool:

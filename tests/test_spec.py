@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
+from fnmatch import fnmatchcase
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_iocatch import CaptureSpec, SpecError, format_io_spec, parse_io_spec
@@ -250,3 +251,45 @@ def test_suggestions_keep_the_requested_indices(
     if " has " in text:
         assert not _suggestions(text)
         assert _listed_indices(text) == set(present) and index not in present
+
+
+def _backtracking_glob_matches(pattern: list[str], name: list[str]) -> bool:
+    """The first version's matcher (exponential in the number of ``**``): the reference."""
+    if not pattern:
+        return not name
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_backtracking_glob_matches(rest, name[i:]) for i in range(len(name) + 1))
+    return bool(name) and fnmatchcase(name[0], head) and _backtracking_glob_matches(rest, name[1:])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(["a", "b", "*", "**", "a*"]), min_size=1, max_size=6),
+    st.lists(st.sampled_from(["a", "b", "ab"]), min_size=0, max_size=6),
+)
+def test_glob_matching_equals_the_backtracking_reference(
+    pattern: list[str], name: list[str]
+) -> None:
+    from lightning_iocatch.spec import _glob_matches
+
+    assert _glob_matches(pattern, name) == _backtracking_glob_matches(pattern, name)
+
+
+def test_many_double_stars_resolve_in_linear_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_iocatch.spec as spec
+
+    calls = [0]
+
+    def counting(name: str, pattern: str) -> bool:
+        calls[0] += 1
+        return fnmatchcase(name, pattern)
+
+    monkeypatch.setattr(spec, "fnmatchcase", counting)
+    names = [f"model.layers.{i}.block.{j}.mlp" for i in range(100) for j in range(20)]
+    pattern = ".".join(["**"] * 25 + ["nothing"])  # backtracking: ~6^25 steps per name
+    with pytest.raises(KeyError, match="matches no module"):
+        resolve_names([pattern], names)
+    assert resolve_names(["**.**.**.mlp"], names) == names
+    # at most one component comparison per (pattern component, name component, module)
+    assert calls[0] <= len(names) * (26 + 4) * 6

@@ -20,6 +20,13 @@ from typing_extensions import override
 
 from lightning_iocatch.buffer import CaptureBuffer
 from lightning_iocatch.catcher import CaptureSession, ModelIOCatcher
+from lightning_iocatch.checks import (
+    check_bool,
+    check_int,
+    check_optional_bool,
+    parse_device,
+    parse_dtype,
+)
 from lightning_iocatch.errors import SpecError
 from lightning_iocatch.indices import BatchIndexer
 from lightning_iocatch.predict_route import PredictMember, join_predict_route, leave_predict_route
@@ -29,18 +36,6 @@ from lightning_iocatch.spec import CaptureSpec
 from lightning_iocatch.writer import FeatureWriter
 
 __all__ = ["IOCaptureCallback"]
-
-
-def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    parsed = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(parsed, torch.dtype) or not parsed.is_floating_point:
-        raise ValueError(
-            f"`dtype` must be a floating-point torch dtype or its name such as 'float16' or "
-            f"'bfloat16', got {dtype!r}"
-        )
-    return parsed
 
 
 class IOCaptureCallback(Callback):
@@ -110,6 +105,11 @@ class IOCaptureCallback(Callback):
         capture_sanity_check: bool = False,
         pinned_memory_bytes: int = 256 << 20,
     ) -> None:
+        if not isinstance(spec, str):
+            raise TypeError(
+                f"`spec` must be a spec string such as 'outputs[model.layers.0]', got "
+                f"{type(spec).__name__}"
+            )
         self.spec = CaptureSpec.parse(spec)
         if self.spec.is_empty:
             raise SpecError(
@@ -117,6 +117,9 @@ class IOCaptureCallback(Callback):
             )
         if isinstance(stages, str):
             stages = (stages,)
+        if not isinstance(stages, (list, tuple)):
+            raise TypeError(f"`stages` must be a list of stage names, got {type(stages).__name__}")
+        early_exit = check_bool("early_exit", early_exit)
         unknown = [stage for stage in stages if stage not in STAGES]
         if unknown or not stages:
             raise ValueError(
@@ -129,12 +132,19 @@ class IOCaptureCallback(Callback):
                 "`early_exit`"
             )
         if writer is not None:
+            if not isinstance(writer, (FeatureWriter, str, os.PathLike)):
+                raise TypeError(
+                    "`writer` must be a FeatureWriter or a directory path, got "
+                    f"{type(writer).__name__}"
+                )
             writer = writer if isinstance(writer, FeatureWriter) else FeatureWriter(writer)
             if "predict" not in stages:
                 raise ValueError(
                     "`writer` dumps the predict loop, but `stages` has no 'predict': add it"
                 )
             sinks = [writer, *sinks]
+        if not isinstance(probes, (list, tuple)) or not isinstance(sinks, (list, tuple)):
+            raise TypeError("`probes` and `sinks` must be lists (or tuples)")
         self.probes = ProbeSink(probes) if probes else None
         if self.probes is not None:
             if not {"validate", "test"} & set(stages):
@@ -148,13 +158,12 @@ class IOCaptureCallback(Callback):
                     f"`sinks` must hold CaptureSink instances, got {type(sink).__name__}"
                 )
         self.stages = tuple(dict.fromkeys(stages))
-        self.device = torch.device(device) if device is not None else None
-        self.dtype = _parse_dtype(dtype)
+        self.device = parse_device("device", device)
+        self.dtype = parse_dtype("dtype", dtype)
         self.early_exit = early_exit
-        self.capture_sanity_check = capture_sanity_check
-        if pinned_memory_bytes < 0:
-            raise ValueError(f"`pinned_memory_bytes` must be >= 0, got {pinned_memory_bytes}")
-        self.pinned_memory_bytes = pinned_memory_bytes
+        self.capture_sanity_check = check_bool("capture_sanity_check", capture_sanity_check)
+        keep_in_memory = check_optional_bool("keep_in_memory", keep_in_memory)
+        self.pinned_memory_bytes = check_int("pinned_memory_bytes", pinned_memory_bytes, minimum=0)
         self._memory = (
             MemorySink() if keep_in_memory or (keep_in_memory is None and not sinks) else None
         )

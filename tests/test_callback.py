@@ -171,6 +171,18 @@ def test_unknown_names_fail_before_any_batch_runs() -> None:
         ),
         (dict(spec="outputs[a]", dtype="int8"), ValueError, "`dtype` must be a floating-point"),
         (dict(spec="outputs[a]", sinks=[object()]), TypeError, "CaptureSink"),
+        (dict(spec=["outputs[a]"]), TypeError, "`spec` must be a spec string"),
+        (dict(spec="outputs[a]", stages=7), TypeError, "`stages` must be a list"),
+        (dict(spec="outputs[a]", early_exit="yes"), TypeError, "`early_exit` must be True or"),
+        (dict(spec="outputs[a]", keep_in_memory=1), TypeError, "`keep_in_memory` must be True"),
+        (dict(spec="outputs[a]", capture_sanity_check=None), TypeError, "`capture_sanity_check`"),
+        (dict(spec="outputs[a]", device="gpu0"), ValueError, "`device` 'gpu0' is not a device"),
+        (dict(spec="outputs[a]", device=0), TypeError, "`device` must be a torch.device"),
+        (dict(spec="outputs[a]", dtype=3), ValueError, "`dtype` must be a floating-point"),
+        (dict(spec="outputs[a]", pinned_memory_bytes=-1), ValueError, "`pinned_memory_bytes`"),
+        (dict(spec="outputs[a]", pinned_memory_bytes=1.5), TypeError, "`pinned_memory_bytes`"),
+        (dict(spec="outputs[a]", writer=3), TypeError, "`writer` must be a FeatureWriter"),
+        (dict(spec="outputs[a]", probes="stats"), TypeError, "`probes` and `sinks` must be"),
     ],
 )
 def test_bad_arguments_are_refused_in_init(kwargs: dict, error: type, message: str) -> None:

@@ -1,10 +1,11 @@
 """The ``lightning-iocatch`` command: list capturable modules, inspect a dump, redraw figures.
 
     lightning-iocatch modules TARGET [--spec SPEC]   # TARGET: package.module:attribute
-    lightning-iocatch inspect PATH [--expected N] [--verify]
+    lightning-iocatch inspect PATH [--expected N] [--dataloader-idx I] [--verify]
     lightning-iocatch plot METRICS [--out DIR]
 
-Also ``python -m lightning_iocatch``. Errors go to stderr with a non-zero exit code.
+Also ``python -m lightning_iocatch``. Errors go to stderr in one line, with exit code 2
+(``inspect``: 1 when a dataset index is missing or duplicated).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from torch import nn
 
@@ -31,7 +32,33 @@ class CommandError(Exception):
     """A failure to report in one line, with exit code 2."""
 
 
-_REPORTED = (CommandError, SpecError, UnknownModuleError, StoreError, ValueError, ImportError)
+_REPORTED = (
+    CommandError,
+    SpecError,
+    UnknownModuleError,
+    StoreError,
+    ValueError,
+    ImportError,
+    OSError,
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line in one line (exit code 2), not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def _count(text: str) -> int:
+    """A non-negative integer argument."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
 
 
 def load_target(target: str) -> nn.Module:
@@ -92,29 +119,45 @@ def _example(index: dict[str, nn.Module]) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    store = FeatureStore(args.path, dataloader_idx=args.dataloader_idx)
+    store = FeatureStore(
+        args.path, dataloader_idx=args.dataloader_idx, on_duplicate="first", verify=args.verify
+    )  # with --verify, every checksum is checked before a shard is read or a line printed
     meta = store.metadata
-    on_disk = sum(p.stat().st_size for p in Path(args.path).iterdir() if p.is_file())
+    on_disk = sum(
+        entry.stat(follow_symlinks=False).st_size
+        for entry in os.scandir(args.path)
+        if entry.is_file(follow_symlinks=False)
+    )
     print(f"store      {args.path}")
     print(f"spec       {meta.get('spec')}  (stage {meta.get('stage')}, dtype {meta.get('dtype')})")
     print(f"rows       {len(store)}  ranks {meta['ranks']}  shards {len(meta['shards'])}")
     print(f"bytes      {meta['bytes']:,} in shards, {on_disk:,} on disk")
-    print(f"libraries  {', '.join(f'{k} {v}' for k, v in meta['libraries'].items())}")
+    print(f"libraries  {', '.join(f'{k} {v}' for k, v in meta.get('libraries', {}).items())}")
+    if len(meta["dataloaders"]) > 1:
+        print(f"dataloader {args.dataloader_idx} of {meta['dataloaders']}")
+    if args.verify:
+        print("checksums  every ledger line and every shard match their CRC-32")
     print(f"\n{'key':<56} {'dtype':<10} {'row shape':<16} {'rows':>8}")
     for key, info in meta["keys"].items():
         shape = "varies" if info["shape"] is None else str(tuple(info["shape"]))
-        rows = sum(int(part.shape[0]) for _, part in store.batches(key))
+        if key in meta["per_batch"]:
+            shape, rows = f"per batch {shape}", f"{meta['per_batch'][key]} batches"
+        else:
+            count = int(store.indices_of(key).numel())
+            rows = str(count) if count == len(store) else f"{count} of {len(store)}"
         print(f"{key:<56} {info['dtype']:<10} {shape:<16} {rows:>8}")
+    for key, reason in meta["skipped"].items():
+        print(f"{key:<56} skipped: {reason}")
     problems = []
     duplicated = store.duplicated_indices()
     missing = store.missing_indices(args.expected)
     if duplicated:
-        problems.append(f"{len(duplicated)} dataset indices duplicated, e.g. {duplicated[:5]}")
+        problems.append(
+            f"{len(duplicated)} dataset indices duplicated, e.g. {duplicated[:5]} (read once, "
+            "from their first commit, with FeatureStore(..., on_duplicate='first'))"
+        )
     if missing:
         problems.append(f"{len(missing)} dataset indices missing, e.g. {missing[:5]}")
-    if args.verify:
-        store.verify()
-        print("\nchecksums  every shard matches its ledger CRC-32")
     if problems:
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
@@ -137,7 +180,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lightning-iocatch",
         description="Capture inputs and outputs of named submodules inside Lightning's loops.",
     )
@@ -153,13 +196,20 @@ def _parser() -> argparse.ArgumentParser:
     inspect_ = commands.add_parser(
         "inspect",
         help="describe a feature store",
-        description="Keys, shapes, dtypes, rows, ranks and bytes of a feature store; exits 1 "
-        "if a dataset index is missing or duplicated.",
+        description="Keys (with their row counts), shapes, dtypes, rows, ranks and bytes of a "
+        "feature store. Exit code 0: every dataset index present once; 1: an index is missing "
+        "or duplicated; 2: the store cannot be read (damaged, not a store) or a bad argument.",
     )
     inspect_.add_argument("path", metavar="PATH", help="the directory FeatureWriter wrote")
-    inspect_.add_argument("--expected", type=int, help="the data set size (default: max index + 1)")
-    inspect_.add_argument("--dataloader-idx", type=int, default=0, help="which dataloader")
-    inspect_.add_argument("--verify", action="store_true", help="check every shard's checksum")
+    inspect_.add_argument(
+        "--expected", type=_count, help="the data set size (default: max index + 1)"
+    )
+    inspect_.add_argument("--dataloader-idx", type=_count, default=0, help="which dataloader")
+    inspect_.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every shard's checksum first, before reading anything from the shards",
+    )
     inspect_.set_defaults(run=_inspect)
     plot = commands.add_parser(
         "plot",
@@ -186,12 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         code: int = args.run(args)
-    except _REPORTED as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # e.g. `lightning-iocatch modules X | head`
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep Python quiet at exit
         return 0
+    except _REPORTED as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return code
 
 

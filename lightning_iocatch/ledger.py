@@ -9,6 +9,28 @@ A store is a directory::
 A shard exists under its final name only once complete (written to ``.tmp``, fsynced,
 renamed), and counts only once its ledger line is written. Anything else in the
 directory (a ``.tmp`` file, a shard without a ledger line) is debris of an interrupted run.
+
+Rules every reader and writer of the format follows (all enforced here):
+
+- **Names.** A store reads and writes only its own files, directly inside its directory:
+  ``store.json``, ``ledger-r{rank:03d}.jsonl`` and ``shard-r{rank:03d}-{seq:06d}.safetensors``
+  (plus ``.tmp`` while being written). A ledger record naming anything else (``../x``, an
+  absolute path, a name that is not a shard of the ledger's own rank) is damage. A
+  symbolic link is read only where it resolves to a file directly inside the directory,
+  and never written through.
+- **Record checksums.** Each ledger line carries ``record_crc32``: the CRC-32 of the
+  line's JSON object without that field, serialized canonically (keys sorted, no
+  whitespace, ASCII: ``json.dumps(obj, sort_keys=True, separators=(",", ":"))``). Format
+  ``/2`` stores require it on every line; format ``/1`` stores (written before it existed)
+  accept lines without it and check the lines that have it.
+- **The last line.** A ledger line is committed once it is complete. The last line of a
+  ledger may lack its newline: if it starts with a complete JSON value it counts (and must
+  be a valid record and nothing else, like every other line); if it does not (a write cut
+  short: a prefix of a line), it does not count. :func:`read_ledgers` and
+  :func:`drop_torn_tail` (the writer's resume, which then adds the newline or cuts the
+  torn line off) decide with the same function, so a reader and a resumed writer never
+  disagree about a record. Every other line must be a valid record: a damaged line is an
+  error naming the ledger and line, never skipped.
 """
 
 from __future__ import annotations
@@ -16,11 +38,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Literal
 
 import torch
 
@@ -29,28 +52,40 @@ from lightning_iocatch.errors import StoreError
 __all__ = [
     "FORMAT",
     "INDEX_KEY",
+    "READABLE_FORMATS",
+    "RECORD_CHECKSUM",
     "STORE_FILE",
     "BatchRecord",
+    "LedgerEntry",
     "ShardRecord",
     "append_ledger",
+    "check_own_path",
     "drop_torn_tail",
-    "fsync_dir",
     "file_crc32",
+    "fsync_dir",
+    "is_serializer_temp",
     "is_store_file",
     "ledger_name",
+    "ledger_rank",
+    "open_own_file",
+    "read_ledger_entries",
     "read_ledgers",
     "read_store_json",
-    "shard_name",
     "shard_crc32",
+    "shard_name",
     "shard_rank_and_seq",
     "write_json_atomic",
 ]
 
-FORMAT = "lightning-iocatch-store/1"
+FORMAT = "lightning-iocatch-store/2"
+READABLE_FORMATS = ("lightning-iocatch-store/1", FORMAT)
 STORE_FILE = "store.json"
 INDEX_KEY = "__index__"
-_SHARD = re.compile(r"shard-r(\d+)-(\d+)\.safetensors(\.tmp)?$")
-_LEDGER = re.compile(r"ledger-r(\d+)\.jsonl$")
+RECORD_CHECKSUM = "record_crc32"
+_SHARD = re.compile(r"shard-r([0-9]{3,})-([0-9]{6,})\.safetensors(\.tmp)?", re.ASCII)
+_LEDGER = re.compile(r"ledger-r([0-9]{3,})\.jsonl", re.ASCII)
+_SERIALIZER_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}", re.ASCII)  # safetensors' save_file
+_JSON = json.JSONDecoder()
 
 
 def shard_name(rank: int, seq: int) -> str:
@@ -63,19 +98,43 @@ def ledger_name(rank: int) -> str:
     return f"ledger-r{rank:03d}.jsonl"
 
 
+def shard_rank_and_seq(name: str) -> tuple[int, int] | None:
+    """``(rank, seq)`` of a finished shard's file name, else ``None``.
+
+    Only the names :func:`shard_name` writes count (``shard-r0-1.safetensors`` does not).
+    """
+    match = _SHARD.fullmatch(name)
+    if match is None or match.group(3):
+        return None
+    rank, seq = int(match.group(1)), int(match.group(2))
+    return (rank, seq) if shard_name(rank, seq) == name else None
+
+
+def ledger_rank(name: str) -> int | None:
+    """The rank of a ledger's file name, else ``None``."""
+    match = _LEDGER.fullmatch(name)
+    if match is None:
+        return None
+    rank = int(match.group(1))
+    return rank if ledger_name(rank) == name else None
+
+
 def is_store_file(name: str) -> bool:
     """True for every name a store writes (its own files, finished or not)."""
-    return name in (STORE_FILE, STORE_FILE + ".tmp") or bool(
-        _SHARD.match(name) or _LEDGER.match(name)
+    if name in (STORE_FILE, STORE_FILE + ".tmp"):
+        return True
+    return (
+        shard_rank_and_seq(name.removesuffix(".tmp")) is not None or ledger_rank(name) is not None
     )
 
 
-def shard_rank_and_seq(name: str) -> tuple[int, int] | None:
-    """``(rank, seq)`` of a finished shard's file name, else ``None``."""
-    match = _SHARD.match(name)
-    if match is None or match.group(3):
-        return None
-    return int(match.group(1)), int(match.group(2))
+def is_serializer_temp(name: str) -> bool:
+    """True for the temporary names safetensors' ``save_file`` writes next to its target.
+
+    ``save_file`` (safetensors 0.8) writes ``.tmp`` and six letters or digits, mode 0600,
+    then renames it; a process killed meanwhile leaves it behind.
+    """
+    return _SERIALIZER_TEMP.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -89,7 +148,14 @@ class BatchRecord:
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """One ledger line: a complete shard, its size and checksum, its batches and keys."""
+    """One ledger line: a complete shard, its size and checksum, its batches and keys.
+
+    ``keys`` maps every key stored in the shard (in some or all of its batches) to its
+    dtype; ``shapes`` gives a key's row shape (``None`` where batches differ). Keys in
+    ``per_batch`` are stored once per batch, without a row per sample: their ``shapes``
+    entry is the whole tensor's shape. ``skipped`` maps keys the writer did not store to
+    the reason. The line itself carries ``record_crc32`` (see the module docstring).
+    """
 
     file: str
     rank: int
@@ -98,15 +164,182 @@ class ShardRecord:
     batches: tuple[BatchRecord, ...]
     keys: dict[str, str]  # key -> dtype
     shapes: dict[str, list[int] | None]  # key -> shape of a row; None where batches differ
+    per_batch: tuple[str, ...] = ()
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        """The ledger line (without its newline), with its ``record_crc32``."""
+        data = asdict(self)
+        for optional in ("per_batch", "skipped"):
+            if not data[optional]:
+                del data[optional]
+        data[RECORD_CHECKSUM] = _record_crc32(data)
+        return _canonical(data)
 
     @classmethod
-    def from_json(cls, line: str) -> ShardRecord:
-        data = json.loads(line)
-        batches = tuple(BatchRecord(**batch) for batch in data.pop("batches"))
-        return cls(batches=batches, **data)
+    def from_json(cls, line: str, *, checksum_required: bool = True) -> ShardRecord:
+        """Parse and check one ledger line; ``ValueError`` says what is wrong with it."""
+        return _record(json.loads(line), checksum_required=checksum_required)
+
+
+def _canonical(data: dict[str, Any]) -> str:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _record_crc32(data: dict[str, Any]) -> int:
+    return zlib.crc32(_canonical(data).encode("ascii"))
+
+
+_FIELDS = ("file", "rank", "bytes", "crc32", "batches", "keys", "shapes")
+_OPTIONAL = ("per_batch", "skipped", RECORD_CHECKSUM)
+
+
+def _count(value: Any, what: str, below: int | None = None) -> int:
+    if type(value) is not int or value < 0 or (below is not None and value >= below):
+        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _record(data: Any, *, checksum_required: bool) -> ShardRecord:
+    if not isinstance(data, dict):
+        raise ValueError(f"not a record: a JSON {type(data).__name__}, not an object")
+    if RECORD_CHECKSUM in data:
+        check = data.pop(RECORD_CHECKSUM)
+        if check != _record_crc32(data):
+            raise ValueError(
+                f"its {RECORD_CHECKSUM} does not match its content: the line was changed "
+                "after it was written"
+            )
+    elif checksum_required:
+        raise ValueError(f"it has no {RECORD_CHECKSUM}, which this store's format requires")
+    unknown = sorted(set(data) - {*_FIELDS, *_OPTIONAL})
+    missing = [name for name in _FIELDS if name not in data]
+    if unknown or missing:
+        raise ValueError(f"not a record: unknown fields {unknown}, missing fields {missing}")
+    name = data["file"]
+    named = shard_rank_and_seq(name) if isinstance(name, str) else None
+    if named is None:
+        raise ValueError(
+            f"`file` {name!r} is not a shard name like {shard_name(0, 0)!r}; a store reads "
+            "only its own files inside its directory"
+        )
+    rank = _count(data["rank"], "`rank`")
+    if named[0] != rank:
+        raise ValueError(f"`file` {name!r} is not a shard of rank {rank}")
+    batches = data["batches"]
+    if not isinstance(batches, list) or not batches:
+        raise ValueError(f"`batches` must be a non-empty list, got {batches!r}")
+    parsed = []
+    for batch in batches:
+        if not isinstance(batch, dict) or sorted(batch) != ["batch_idx", "dataloader_idx", "rows"]:
+            raise ValueError(f"a batch must be {{dataloader_idx, batch_idx, rows}}, got {batch!r}")
+        parsed.append(BatchRecord(**{k: _count(v, f"`{k}`") for k, v in batch.items()}))
+    keys, shapes = data["keys"], data["shapes"]
+    if not isinstance(keys, dict) or not all(
+        isinstance(k, str) and k != INDEX_KEY and isinstance(v, str) for k, v in keys.items()
+    ):
+        raise ValueError(f"`keys` must map keys to dtype names, got {keys!r}")
+    if not isinstance(shapes, dict) or not all(
+        k in keys and (v is None or (isinstance(v, list) and all(_is_count(d) for d in v)))
+        for k, v in shapes.items()
+    ):
+        raise ValueError(f"`shapes` must map keys of `keys` to lists of sizes or null: {shapes!r}")
+    per_batch = data.get("per_batch", [])
+    if not isinstance(per_batch, list) or not all(k in keys for k in per_batch):
+        raise ValueError(f"`per_batch` must list keys of `keys`, got {per_batch!r}")
+    skipped = data.get("skipped", {})
+    if not isinstance(skipped, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in skipped.items()
+    ):
+        raise ValueError(f"`skipped` must map keys to reasons, got {skipped!r}")
+    return ShardRecord(
+        file=name,
+        rank=rank,
+        bytes=_count(data["bytes"], "`bytes`"),
+        crc32=_count(data["crc32"], "`crc32`", below=1 << 32),
+        batches=tuple(parsed),
+        keys=keys,
+        shapes=shapes,
+        per_batch=tuple(per_batch),
+        skipped=skipped,
+    )
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+# Paths: only the store's own files, directly inside its directory
+
+
+def check_own_path(root: Path, name: str, *, for_writing: bool = False) -> Path:
+    """``root / name`` once it is sure to be one of the store's own files inside ``root``.
+
+    ``name`` must be a name the store writes (:func:`is_store_file`): a plain file name,
+    never a path. For reading, a symbolic link is accepted only where it resolves to a file
+    directly inside ``root``; for writing (and truncating, deleting), a symbolic link is
+    refused outright. Raises :class:`StoreError` naming the path otherwise.
+
+    This checks the directory as it is now: it does not protect against another process
+    swapping files in it between this check and the use (:func:`open_own_file` closes that
+    gap for writing with ``O_NOFOLLOW``).
+    """
+    if not isinstance(name, str) or not is_store_file(name):
+        raise StoreError(
+            f"{name!r} is not a file name of a feature store ({STORE_FILE}, "
+            f"{ledger_name(0)}, {shard_name(0, 0)}); a store touches only its own files "
+            f"inside {root}"
+        )
+    path = root / name
+    if not path.is_symlink():
+        return path
+    if for_writing:
+        raise StoreError(
+            f"{path} is a symbolic link; a feature store never writes through one: remove it"
+        )
+    target = path.resolve()
+    if target.parent != root.resolve():
+        raise StoreError(
+            f"{path} is a symbolic link to {target}, outside the store; a feature store reads "
+            "only its own files inside its directory"
+        )
+    return path
+
+
+_MODES: dict[str, int] = {
+    "rb": os.O_RDONLY,
+    "r+b": os.O_RDWR,
+    "ab": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+    "xb": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+}
+
+
+def open_own_file(root: Path, name: str, mode: Literal["rb", "r+b", "ab", "xb"]) -> IO[bytes]:
+    """Open one of the store's own files (see :func:`check_own_path`), unbuffered.
+
+    Modes other than ``"rb"`` never follow a symbolic link (``O_NOFOLLOW``), and new files
+    get ``0o666`` less the process's umask, like any file ``open`` creates.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"`mode` must be one of {sorted(_MODES)}, got {mode!r}")
+    writing = mode != "rb"
+    path = check_own_path(root, name, for_writing=writing)
+    flags = _MODES[mode] | os.O_CLOEXEC | (os.O_NOFOLLOW if writing else 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as error:
+        if os.path.islink(path):
+            raise StoreError(
+                f"{path} is a symbolic link; a feature store never writes through one: remove it"
+            ) from error
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreError(f"{path} is not a regular file")
+        return os.fdopen(fd, "wb" if mode == "xb" else mode, buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def fsync_dir(path: Path) -> None:
@@ -118,61 +351,211 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_all(handle: IO[bytes], data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = handle.write(view)
+        view = view[written or 0 :]
+
+
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path``: a temporary file, fsync, rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.flush()
+    """Write ``data`` as JSON to ``path``: a temporary file, fsync, rename.
+
+    ``path`` must be one of the store's own names (see :func:`check_own_path`); the file
+    gets the permissions of the process's umask.
+    """
+    root, tmp = path.parent, path.name + ".tmp"
+    check_own_path(root, path.name, for_writing=True)
+    (root / tmp).unlink(missing_ok=True)  # debris of a killed run (a link is removed, not followed)
+    with open_own_file(root, tmp, "xb") as handle:
+        _write_all(handle, json.dumps(data, indent=2, sort_keys=True).encode())
         os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    os.replace(root / tmp, path)
+    fsync_dir(root)
 
 
 def read_store_json(root: Path) -> dict[str, Any]:
-    """The store's ``store.json``; a clear error when ``root`` is not a store."""
+    """The store's ``store.json``; a clear error when ``root`` is not a store or it is damaged."""
     path = root / STORE_FILE
-    if not path.is_file():
+    if not root.is_dir() or not (path.is_file() or path.is_symlink()):
         raise StoreError(
             f"{root} is not a feature store: it has no {STORE_FILE} (stores are written by "
             "lightning_iocatch.FeatureWriter)"
         )
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
+        with open_own_file(root, STORE_FILE, "rb") as handle:
+            data = json.loads(handle.read().decode("utf-8"))
     except (OSError, ValueError) as error:
         raise StoreError(f"cannot read {path}: {error}") from error
-    if data.get("format") != FORMAT:
-        raise StoreError(f"{path} has format {data.get('format')!r}; this library reads {FORMAT!r}")
+    if not isinstance(data, dict):
+        raise StoreError(f"{path} is damaged: a JSON {type(data).__name__}, not an object")
+    if data.get("format") not in READABLE_FORMATS:
+        raise StoreError(
+            f"{path} has format {data.get('format')!r}; this library reads {READABLE_FORMATS}"
+        )
+    expected = {"spec": (str, type(None)), "stage": (str,), "dtype": (str, type(None))}
+    for name, types in expected.items():
+        if name in data and not isinstance(data[name], types):
+            raise StoreError(f"{path} is damaged: `{name}` is {data[name]!r}")
+    libraries = data.get("libraries", {})
+    if not isinstance(libraries, dict) or not all(isinstance(v, str) for v in libraries.values()):
+        raise StoreError(f"{path} is damaged: `libraries` is {libraries!r}")
+    if "world_size" in data and not _is_count(data["world_size"]):
+        raise StoreError(f"{path} is damaged: `world_size` is {data['world_size']!r}")
     return data
 
 
+# The ledger
+
+
 def append_ledger(path: Path, record: ShardRecord) -> None:
-    """Append one line and make it durable before returning."""
-    with open(path, "a") as handle:
-        handle.write(record.to_json() + "\n")
-        handle.flush()
+    """Append one line and make it durable before returning.
+
+    ``path`` must be a ledger name inside the store; a symbolic link there is refused.
+    """
+    root = path.parent
+    created = not os.path.lexists(path)
+    with open_own_file(root, path.name, "ab") as handle:
+        _write_all(handle, (record.to_json() + "\n").encode("ascii"))
         os.fsync(handle.fileno())
+    if created:
+        fsync_dir(root)
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """A committed record and where it was read: the ledger file and its line number."""
+
+    path: Path
+    line: int
+    record: ShardRecord
+
+    @property
+    def where(self) -> str:
+        return f"{self.path} line {self.line}"
+
+
+@dataclass(frozen=True)
+class _Scan:
+    entries: list[LedgerEntry]
+    end: int  # bytes that hold counted lines (the last one perhaps without its newline)
+    unterminated: bool  # the last counted line lacks its newline
+    torn: bool  # bytes after ``end`` are a write cut short
+
+
+def _scan_ledger(path: Path, data: bytes, *, checksum_required: bool) -> _Scan:
+    """The one decision of what a ledger holds, for the reader and the resume alike."""
+    rank = ledger_rank(path.name)
+    entries: list[LedgerEntry] = []
+    position = number = 0
+    while position < len(data):
+        number += 1
+        newline = data.find(b"\n", position)
+        last = newline == -1
+        end = len(data) if last else newline
+        raw = data[position:end]
+        text = raw.decode("utf-8", errors="surrogateescape")  # bad bytes: checked below
+        try:
+            value, stop = _JSON.raw_decode(text)
+        except ValueError as error:
+            if last:  # an unterminated line that is not a JSON value: a write cut short
+                return _Scan(entries, position, unterminated=False, torn=True)
+            problem = _utf8_problem(raw) or f"it is not JSON ({error})"
+            raise StoreError(f"{path} line {number} is damaged: {problem}") from error
+        if stop != len(text):  # a write cut short is a prefix of a line, never more than one
+            raise StoreError(
+                f"{path} line {number} is damaged: it is not JSON (extra data after character "
+                f"{stop}: {text[stop : stop + 20]!r})"
+            )
+        if bad_bytes := _utf8_problem(raw):
+            raise StoreError(f"{path} line {number} is damaged: {bad_bytes}")
+        try:
+            record = _record(value, checksum_required=checksum_required)
+        except ValueError as error:
+            raise StoreError(f"{path} line {number} is damaged: {error}") from error
+        if record.rank != rank:
+            raise StoreError(
+                f"{path} line {number} is damaged: it records {record.file}, a shard of rank "
+                f"{record.rank}, in the ledger of rank {rank}"
+            )
+        entries.append(LedgerEntry(path, number, record))
+        position = end if last else end + 1
+    unterminated = bool(data) and not data.endswith(b"\n")
+    return _Scan(entries, len(data), unterminated=unterminated, torn=False)
+
+
+def _utf8_problem(raw: bytes) -> str | None:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return f"it is not valid UTF-8 ({error})"
+    return None
+
+
+def _checksum_required(root: Path) -> bool:
+    return read_store_json(root)["format"] != READABLE_FORMATS[0]
+
+
+def _ledger_paths(root: Path) -> list[Path]:
+    found = sorted(
+        (rank, entry.name)
+        for entry in os.scandir(root)
+        if (rank := ledger_rank(entry.name)) is not None
+    )
+    return [check_own_path(root, name) for _, name in found]
+
+
+def read_ledger_entries(root: Path) -> list[LedgerEntry]:
+    """Every committed record of every rank with its ledger line, in rank then ledger order.
+
+    Raises :class:`StoreError` naming the ledger and line for any damage (see the module
+    docstring for what counts as committed).
+    """
+    required = _checksum_required(root)
+    entries: list[LedgerEntry] = []
+    for path in _ledger_paths(root):
+        try:
+            with open_own_file(root, path.name, "rb") as handle:
+                data = handle.read()
+        except OSError as error:
+            raise StoreError(f"cannot read ledger {path}: {error}") from error
+        entries += _scan_ledger(path, data, checksum_required=required).entries
+    return entries
 
 
 def read_ledgers(root: Path) -> list[ShardRecord]:
     """Every committed shard of every rank, in rank then ledger order.
 
-    A torn last line (the process died while appending it) does not count; a torn line
-    anywhere else means the ledger was damaged, and is an error naming the file.
+    A torn last line (the process died while appending it) does not count; a complete last
+    line without its newline does. Damage anywhere is an error naming the file and line.
     """
-    records: list[ShardRecord] = []
-    for path in sorted(root.glob("ledger-r*.jsonl")):
-        lines = path.read_text().split("\n")
-        for number, line in enumerate(lines, start=1):
-            if not line:
-                continue
-            try:
-                records.append(ShardRecord.from_json(line))
-            except (ValueError, TypeError, KeyError) as error:
-                if number == len(lines):  # the unterminated last line: a write cut short
-                    continue
-                raise StoreError(f"{path} line {number} is damaged: {error}") from error
-    return records
+    return [entry.record for entry in read_ledger_entries(root)]
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Make a ledger end in a newline before appending to it, keeping every committed line.
+
+    A torn last line (one that :func:`read_ledgers` does not count) is cut off; a complete
+    last line without its newline (which it does count) gets its newline.
+    """
+    root = path.parent
+    if not os.path.lexists(path):
+        return
+    required = _checksum_required(root)
+    with open_own_file(root, path.name, "r+b") as handle:
+        data = handle.read()
+        scan = _scan_ledger(path, data, checksum_required=required)
+        if scan.torn:
+            handle.truncate(scan.end)
+        elif scan.unterminated:
+            handle.seek(len(data))
+            _write_all(handle, b"\n")
+        else:
+            return
+        os.fsync(handle.fileno())
+
+
+# Checksums of shards
 
 
 def shard_crc32(path: Path, tensors: dict[str, torch.Tensor]) -> int:
@@ -207,16 +590,3 @@ def file_crc32(path: Path, chunk: int = 16 << 20) -> int:
         while block := handle.read(chunk):
             crc = zlib.crc32(block, crc)
     return crc
-
-
-def drop_torn_tail(path: Path) -> None:
-    """Cut an unterminated last line off a ledger, so that appending starts a fresh line."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1
-    if keep != len(data):
-        with open(path, "r+b") as handle:
-            handle.truncate(keep)
-            handle.flush()
-            os.fsync(handle.fileno())

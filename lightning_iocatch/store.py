@@ -1,18 +1,20 @@
 """FeatureStore: read what FeatureWriter wrote, rows in dataset-index order, ranks merged.
 
-Opening a store reads its JSON metadata and ledgers only; tensors are memory-mapped from
-the safetensors shards when asked for. Nothing is unpickled and no code from the files runs.
+Opening a store reads its JSON metadata, its ledgers and each shard's header (checked
+against its ledger record); tensors are memory-mapped from the safetensors shards when
+asked for. Nothing is unpickled and no code from the files runs, and only the store's own
+files inside its directory are read (see :mod:`lightning_iocatch.ledger`).
 """
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -20,20 +22,62 @@ from safetensors import SafetensorError, safe_open
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.ledger import (
     INDEX_KEY,
-    ShardRecord,
+    LedgerEntry,
+    check_own_path,
     file_crc32,
-    read_ledgers,
+    read_ledger_entries,
     read_store_json,
+    shard_rank_and_seq,
 )
+from lightning_iocatch.spec import close_names
 
 __all__ = ["FeatureStore"]
 
+OnDuplicate = Literal["error", "first"]
+_ON_DUPLICATE = ("error", "first")
+_TENSOR_NAME = re.compile(r"b(0|[1-9][0-9]*)/(.+)", re.ASCII | re.DOTALL)
+# safetensors' dtype codes, by the names FeatureWriter records (str(dtype) less "torch.")
+_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
 
 @dataclass(frozen=True)
-class _BatchLocation:
+class _Batch:
+    """One stored batch of the store's dataloader, as its shard's header describes it."""
+
     shard: Path
     position: int
-    rows: int
+    shapes: dict[str, tuple[int, ...]]  # key -> stored shape (rows first, unless per batch)
+    dtypes: dict[str, str]  # key -> dtype
+    per_batch: frozenset[str]
+    indices: torch.Tensor  # int64 [rows]: the dataset index of each row
+    keep: torch.Tensor | None  # bool [rows]: rows read (None: all; see `on_duplicate`)
+
+    def kept(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.keep is None else rows[self.keep]
+
+    @property
+    def kept_indices(self) -> torch.Tensor:
+        return self.kept(self.indices)
 
 
 class FeatureStore:
@@ -41,99 +85,240 @@ class FeatureStore:
 
     Args:
         path: the directory a :class:`~lightning_iocatch.FeatureWriter` wrote.
-        dataloader_idx: which predict dataloader's captures to read.
+        dataloader_idx: which predict dataloader's captures to read; one the store does
+            not hold is refused, naming those it holds.
+        on_duplicate: what to do when the store holds a dataset index more than once (a
+            sound dump never does): ``"error"`` (default) refuses to open it, naming the
+            indices; ``"first"`` reads each such index from its first commit, commits
+            ordered by (rank, shard sequence number, batch position in the shard) — each
+            rank's ledger order, ranks in ascending order, the same on every read — and
+            drops the later copies. :meth:`duplicated_indices` lists them either way.
+        verify: check every shard's CRC-32 (reading every byte) before reading anything
+            from the shards, as :meth:`verify` does.
 
-    ``store.keys()`` lists the flat keys (``"model.h.0/outputs"``), ``store.indices`` the
-    dataset indices present (sorted), ``len(store)`` their count, ``store.metadata`` the
-    spec, dtypes, library versions and shards. Rows of ``store[key]`` are in dataset-index
-    order, whichever rank wrote them. Batches whose trailing shapes differ (variable
-    sequence length) are read per batch with :meth:`batches`. A dump is shown in
-    :class:`~lightning_iocatch.FeatureWriter`'s example; the command line
-    ``lightning-iocatch inspect PATH`` prints the same facts.
+    What can be read:
+
+    - ``store[key]``: every row, in dataset-index order (``store.indices``), for a key
+      stored with one row per sample in every batch with the same row shape.
+    - ``store.rows(key) -> (indices, rows)``: a key present in only some batches (a
+      decoding step only some sequences reached, a data-dependent branch, the ``@1`` key
+      of a call that did not always happen), with the ascending dataset indices of its own
+      rows; ``store.indices_of(key)`` gives those indices without reading the rows.
+    - ``store.batches(key)`` yields ``(indices, tensor)`` per stored batch: for a key whose
+      row shape differs between batches (sequence length varying by batch), and for a key
+      stored once per batch without a row per sample (``metadata["per_batch"]``, e.g.
+      rotary embeddings with batch dimension 1), whose ``tensor`` applies to all of that
+      batch's ``indices``.
+
+    ``store[key]`` and ``store.rows(key)`` refuse what they cannot return exactly, naming
+    the method that reads it. ``store.keys()`` lists every stored key, ``len(store)`` and
+    ``store.indices`` count the rows (dataset indices) of the dataloader, ``store.metadata``
+    has the spec, dtypes, library versions and shards. The command line ``lightning-iocatch
+    inspect PATH`` prints the same facts.
+
+    Damage is never read silently: a ledger line that is not a valid record or fails its
+    checksum, a ledger record naming a file that is not one of the store's shards, a
+    symbolic link leading outside the directory, a shard whose size or header disagrees
+    with its record: each raises :class:`~lightning_iocatch.StoreError` naming the file
+    (and the ledger line). The checks see the directory as it is when read; a store being
+    changed by another process while it is read is not protected against.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, dataloader_idx: int = 0) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        dataloader_idx: int = 0,
+        on_duplicate: OnDuplicate = "error",
+        verify: bool = False,
+    ) -> None:
+        if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+            raise TypeError(f"`path` must be a str or os.PathLike, got {type(path).__name__}")
+        if type(dataloader_idx) is not int:
+            raise TypeError(f"`dataloader_idx` must be an int, got {dataloader_idx!r}")
+        if dataloader_idx < 0:
+            raise ValueError(f"`dataloader_idx` must be non-negative, got {dataloader_idx}")
+        if on_duplicate not in _ON_DUPLICATE:
+            raise ValueError(f"`on_duplicate` must be one of {_ON_DUPLICATE}, got {on_duplicate!r}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"`verify` must be True or False, got {verify!r}")
         self.path = Path(path)
-        self._info = read_store_json(self.path)
-        self._records = read_ledgers(self.path)
         self.dataloader_idx = dataloader_idx
-        self._batches: list[_BatchLocation] = []
-        self._dtypes: dict[str, str] = {}
-        self._shapes: dict[str, list[int] | None] = {}
-        for record in self._records:
-            shard = self._checked_shard(record)
-            mine = [
-                _BatchLocation(shard, position, batch.rows)
-                for position, batch in enumerate(record.batches)
-                if batch.dataloader_idx == dataloader_idx
-            ]
-            if mine:
-                self._batches += mine
-                self._note_keys(record)
-        self._row_indices = self._read_indices()
-        self._order = torch.argsort(self._row_indices, stable=True)
-
-    def _note_keys(self, record: ShardRecord) -> None:
-        self._dtypes.update(record.keys)
-        for key, shape in record.shapes.items():
-            known = self._shapes.setdefault(key, shape)
-            if known != shape:
-                self._shapes[key] = None
-
-    def _checked_shard(self, record: ShardRecord) -> Path:
-        shard = self.path / record.file
-        if not shard.is_file():
-            raise StoreError(f"shard {shard} is in the ledger but missing on disk")
-        size = shard.stat().st_size
-        if size != record.bytes:
+        self._info = read_store_json(self.path)
+        entries = sorted(
+            read_ledger_entries(self.path), key=lambda entry: _rank_and_seq(entry.record.file)
+        )
+        self._records = [entry.record for entry in entries]
+        self._shards = self._checked_shards(entries)
+        if verify:
+            self.verify()
+        present = sorted({b.dataloader_idx for record in self._records for b in record.batches})
+        if dataloader_idx not in present and (present or dataloader_idx != 0):
             raise StoreError(
-                f"shard {shard} is {size} bytes, the ledger says {record.bytes}: it was "
-                "truncated or replaced"
+                f"{self.path} holds no captures of dataloader_idx={dataloader_idx}; it holds "
+                f"dataloader_idx {present}"
             )
-        return shard
+        self._dataloaders = present
+        self._batches = [
+            batch
+            for entry in entries
+            if any(b.dataloader_idx == dataloader_idx for b in entry.record.batches)
+            for batch in self._read_batches(entry)
+        ]
+        self._duplicated = self._find_duplicates(on_duplicate)
+        kept = [batch.kept_indices for batch in self._batches]
+        self._row_indices = torch.cat(kept) if kept else torch.empty(0, dtype=torch.int64)
+        self._order = torch.argsort(self._row_indices, stable=True)
+        self._dtypes = self._key_dtypes()
 
-    def _parts(self, key: str) -> Iterator[torch.Tensor]:
-        """``key`` of every stored batch, in writing order, opening each shard once."""
-        for shard, group in itertools.groupby(self._batches, key=lambda location: location.shard):
-            try:
-                with safe_open(shard, framework="pt") as handle:
-                    names = set(handle.keys())
-                    tensors = []
-                    for location in group:
-                        name = f"b{location.position}/{key}"
-                        if name not in names:
-                            raise StoreError(
-                                f"{key!r} was not captured in batch {location.position} of {shard}"
-                            )
-                        tensors.append(handle.get_tensor(name))  # memory-mapped
-            except SafetensorError as error:
-                raise StoreError(f"shard {shard} is corrupted: {error}") from error
-            yield from tensors
+    # Opening: every check before any tensor is read
 
-    def _read_indices(self) -> torch.Tensor:
-        parts = list(self._parts(INDEX_KEY))
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    def _checked_shards(self, entries: list[LedgerEntry]) -> dict[str, Path]:
+        shards: dict[str, Path] = {}
+        first: dict[str, LedgerEntry] = {}
+        for entry in entries:
+            record = entry.record
+            if record.file in first:
+                raise StoreError(
+                    f"shard {record.file} is recorded twice, in {first[record.file].where} and "
+                    f"{entry.where}: the ledger is damaged"
+                )
+            first[record.file] = entry
+            shard = check_own_path(self.path, record.file)
+            if not shard.is_file():
+                problem = "is not a regular file" if os.path.lexists(shard) else "missing"
+                raise StoreError(
+                    f"shard {shard} is in the ledger ({entry.where}) but {problem} on disk"
+                )
+            size = shard.stat().st_size
+            if size != record.bytes:
+                raise StoreError(
+                    f"shard {shard} is {size} bytes, the ledger says {record.bytes} "
+                    f"({entry.where}): it was truncated or replaced"
+                )
+            shards[record.file] = shard
+        return shards
+
+    def _read_batches(self, entry: LedgerEntry) -> list[_Batch]:
+        """This dataloader's batches of one shard, its header checked against the record."""
+        record, shard = entry.record, self._shards[entry.record.file]
+        try:
+            with safe_open(shard, framework="pt") as handle:
+                names = handle.keys()
+                slices = {name: handle.get_slice(name) for name in names}
+                header = {name: (s.get_dtype(), s.get_shape()) for name, s in slices.items()}
+                stored = _check_header(header, entry, shard)
+                indices = {
+                    position: handle.get_tensor(f"b{position}/{INDEX_KEY}")
+                    for position, batch in enumerate(record.batches)
+                    if batch.dataloader_idx == self.dataloader_idx
+                }
+        except SafetensorError as error:
+            raise StoreError(f"shard {shard} is corrupted: {error}") from error
+        batches = []
+        for position, index in indices.items():
+            if bool((index < 0).any()):
+                raise StoreError(f"shard {shard} is damaged: batch {position} has negative indices")
+            batches.append(
+                _Batch(
+                    shard=shard,
+                    position=position,
+                    shapes=stored[position],
+                    dtypes={key: record.keys[key] for key in stored[position]},
+                    per_batch=frozenset(record.per_batch) & set(stored[position]),
+                    indices=index,
+                    keep=None,
+                )
+            )
+        return batches
+
+    def _find_duplicates(self, on_duplicate: OnDuplicate) -> list[int]:
+        if not self._batches:
+            return []
+        every = torch.cat([batch.indices for batch in self._batches])
+        values, counts = torch.unique(every, return_counts=True)
+        duplicated = values[counts > 1]
+        if not duplicated.numel():
+            return []
+        if on_duplicate == "error":
+            shards = sorted(
+                {
+                    b.shard.name
+                    for b in self._batches
+                    if bool(torch.isin(b.indices, duplicated).any())
+                }
+            )
+            raise StoreError(
+                f"{self.path} holds {duplicated.numel()} dataset indices more than once, e.g. "
+                f"{duplicated[:10].tolist()} (in {', '.join(shards[:4])}"
+                f"{', ...' if len(shards) > 4 else ''}); open it with "
+                "FeatureStore(..., on_duplicate='first') to read each index from its first "
+                "commit, or `lightning-iocatch inspect` it"
+            )
+        order = torch.argsort(every, stable=True)  # first commit first among equal indices
+        ordered = every[order]
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        keep = torch.zeros_like(every, dtype=torch.bool)
+        keep[order[first]] = True
+        sizes = [int(batch.indices.numel()) for batch in self._batches]
+        self._batches = [
+            _Batch(b.shard, b.position, b.shapes, b.dtypes, b.per_batch, b.indices, mask)
+            for b, mask in zip(self._batches, keep.split(sizes), strict=True)
+        ]
+        return [int(value) for value in duplicated.tolist()]
+
+    def _key_dtypes(self) -> dict[str, set[str]]:
+        dtypes: dict[str, set[str]] = {}
+        for batch in self._batches:
+            for key, dtype in batch.dtypes.items():
+                dtypes.setdefault(key, set()).add(dtype)
+        return dtypes
+
+    # What is stored
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """``store.json`` plus what the ledgers say: keys (dtype, row shape), shards, ranks, bytes.
+        """``store.json`` plus what the ledgers and shards say.
 
-        A key's ``shape`` is that of one row, ``None`` where batches differ.
+        ``keys``: each key's ``dtype`` and ``shape``: that of one row (for a key stored
+        once per batch, of the whole tensor), ``None`` where batches differ.
+        ``per_batch``: keys stored once per batch, with their number of batches.
+        ``skipped``: keys the writer did not store, with the reason. Also ``shards``,
+        ``ranks``, ``bytes`` (of every dataloader), ``dataloaders`` and ``rows``.
         """
+        skipped: dict[str, str] = {}
+        for record in self._records:
+            skipped.update(record.skipped)
         return {
             **self._info,
             "keys": {
-                key: {"dtype": self._dtypes[key], "shape": self._shapes.get(key)}
+                key: {"dtype": "|".join(sorted(self._dtypes[key])), "shape": self._shape(key)}
                 for key in self.keys()
             },
+            "per_batch": {
+                key: sum(key in b.per_batch for b in self._batches)
+                for key in self.keys()
+                if any(key in b.per_batch for b in self._batches)
+            },
+            "skipped": skipped,
             "shards": [record.file for record in self._records],
             "ranks": sorted({record.rank for record in self._records}),
             "bytes": sum(record.bytes for record in self._records),
+            "dataloaders": list(self._dataloaders),
             "rows": len(self),
         }
 
+    def _shape(self, key: str) -> list[int] | None:
+        shapes = {
+            b.shapes[key] if key in b.per_batch else b.shapes[key][1:]
+            for b in self._batches
+            if key in b.shapes
+        }
+        return list(next(iter(shapes))) if len(shapes) == 1 else None
+
     def keys(self) -> list[str]:
-        """The flat keys of the captured tensors, sorted."""
+        """The flat keys of the captured tensors, sorted (also those of only some batches)."""
         return sorted(self._dtypes)
 
     def __iter__(self) -> Iterator[str]:
@@ -151,51 +336,179 @@ class FeatureStore:
         return int(self._row_indices.numel())
 
     def duplicated_indices(self) -> list[int]:
-        """Dataset indices present more than once (a sound store has none)."""
-        values, counts = torch.unique(self._row_indices, return_counts=True)
-        return values[counts > 1].tolist()
+        """Dataset indices stored more than once (a sound store has none).
+
+        Only a store opened with ``on_duplicate="first"`` can have any: each is read once.
+        """
+        return list(self._duplicated)
 
     def missing_indices(self, expected: int | None = None) -> list[int]:
         """Indices absent from ``range(expected)`` (default: up to the largest index present)."""
+        if expected is not None and (type(expected) is not int or expected < 0):
+            raise ValueError(f"`expected` must be a non-negative int or None, got {expected!r}")
         total = expected
         if total is None:
             total = int(self._row_indices.max()) + 1 if len(self) else 0
         present = torch.zeros(total, dtype=torch.bool)
-        inside = self._row_indices[self._row_indices < total]
-        present[inside] = True
+        present[self._row_indices[self._row_indices < total]] = True
         return torch.nonzero(~present).flatten().tolist()
 
+    # Reading
+
     def _check_key(self, key: str) -> None:
+        if not isinstance(key, str):
+            raise TypeError(f"`key` must be a str, got {type(key).__name__}")
         if key not in self._dtypes:
-            close = difflib.get_close_matches(key, list(self._dtypes), n=3, cutoff=0.5)
+            close = close_names(key, self._dtypes, cutoff=0.5)  # keeps the key's indices
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
             raise KeyError(f"no key {key!r} in {self.path}{hint} Keys: {self.keys()}")
 
-    def batches(self, key: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield ``(dataset_indices, tensor)`` per stored batch, in writing order."""
-        self._check_key(key)
-        yield from zip(self._parts(INDEX_KEY), self._parts(key), strict=True)
+    def _holders(self, key: str) -> list[_Batch]:
+        return [batch for batch in self._batches if key in batch.shapes]
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        """All rows of ``key`` in dataset-index order (memory-mapped for a single batch)."""
+    def _stored(self, key: str) -> Iterator[tuple[_Batch, torch.Tensor]]:
+        """``key`` of every batch holding it, in commit order, opening each shard once."""
+        for shard, group in itertools.groupby(self._holders(key), key=lambda b: b.shard):
+            try:
+                with safe_open(shard, framework="pt") as handle:
+                    parts = [(b, handle.get_tensor(f"b{b.position}/{key}")) for b in group]
+            except SafetensorError as error:
+                raise StoreError(f"shard {shard} is corrupted: {error}") from error
+            for batch, tensor in parts:
+                if tuple(tensor.shape) != batch.shapes[key]:  # the file changed since opening
+                    raise StoreError(f"shard {shard} changed while it was read")
+            yield from parts
+
+    def indices_of(self, key: str) -> torch.Tensor:
+        """The ascending dataset indices of the rows that hold ``key`` (no tensor is read)."""
         self._check_key(key)
-        parts = list(self._parts(key))
-        trailing = {tuple(part.shape[1:]) for part in parts}
+        parts = [batch.kept_indices for batch in self._holders(key)]
+        return torch.cat(parts).sort().values if parts else torch.empty(0, dtype=torch.int64)
+
+    def batches(self, key: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield ``(dataset_indices, tensor)`` per stored batch holding ``key``, in commit order.
+
+        Reads every key, whatever its shapes: ``tensor`` has one row per index, or, for a
+        key stored once per batch (``metadata["per_batch"]``), is that batch's one tensor.
+        """
+        self._check_key(key)
+        for batch, tensor in self._stored(key):
+            indices = batch.kept_indices
+            if indices.numel():
+                yield indices, tensor if key in batch.per_batch else batch.kept(tensor)
+
+    def _refuse_unless_rows(self, key: str) -> None:
+        holders = self._holders(key)
+        if any(key in batch.per_batch for batch in holders):
+            raise StoreError(
+                f"{key!r} is stored once per batch, without a row per sample; read it with "
+                f"store.batches({key!r}), which yields (indices, tensor) per batch"
+            )
+        trailing = sorted({batch.shapes[key][1:] for batch in holders})
         if len(trailing) > 1:
             raise StoreError(
-                f"{key!r} has rows of different shapes across batches ({sorted(trailing)[:3]}...); "
+                f"{key!r} has rows of different shapes across batches ({trailing[:3]}...); "
                 f"read it per batch with store.batches({key!r})"
             )
-        if len(parts) == 1 and bool((self._order == torch.arange(len(self))).all()):
-            return parts[0]
-        return torch.cat(parts)[self._order]
+        if len(self._dtypes[key]) > 1:
+            raise StoreError(
+                f"{key!r} is stored as {' and '.join(sorted(self._dtypes[key]))} in different "
+                f"batches; read it per batch with store.batches({key!r})"
+            )
+
+    def rows(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices, rows)``: the rows of ``key`` and their ascending dataset indices.
+
+        For every key with one row per sample, also one present in only some batches
+        (``rows[i]`` belongs to dataset sample ``indices[i]``); rows of different shapes
+        and tensors stored once per batch are refused, naming :meth:`batches`.
+        """
+        self._check_key(key)
+        self._refuse_unless_rows(key)
+        indices, parts = [], []
+        for batch, tensor in self._stored(key):
+            indices.append(batch.kept_indices)
+            parts.append(batch.kept(tensor))
+        every = torch.cat(indices)
+        order = torch.argsort(every, stable=True)
+        if len(parts) == 1 and bool((order == torch.arange(len(order))).all()):
+            return every, parts[0]  # memory-mapped, no copy
+        return every[order], torch.cat(parts)[order]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        """All rows of ``key`` in dataset-index order (memory-mapped for a single batch).
+
+        Only for keys with a row for every sample; see :meth:`rows` and :meth:`batches`.
+        """
+        self._check_key(key)
+        self._refuse_unless_rows(key)
+        present = sum(int(batch.kept_indices.numel()) for batch in self._holders(key))
+        if present != len(self):
+            raise StoreError(
+                f"{key!r} is stored for {present} of the {len(self)} rows (it was captured in "
+                f"only some batches); read it with store.rows({key!r}), which returns "
+                "(indices, rows)"
+            )
+        return self.rows(key)[1]
 
     def verify(self) -> None:
-        """Check every shard's CRC-32 against the ledger (reads every byte)."""
+        """Check every shard's CRC-32 against its ledger record (reads every byte)."""
         for record in self._records:
-            shard = self.path / record.file
+            shard = self._shards[record.file]
             if file_crc32(shard) != record.crc32:
                 raise StoreError(f"shard {shard} does not match its checksum: it is corrupted")
 
     def __repr__(self) -> str:
         return f"FeatureStore({str(self.path)!r}, rows={len(self)}, keys={len(self._dtypes)})"
+
+
+def _rank_and_seq(name: str) -> tuple[int, int]:
+    named = shard_rank_and_seq(name)
+    if named is None:  # read_ledger_entries accepts shard names only
+        raise StoreError(f"{name!r} is not a shard name")
+    return named
+
+
+def _check_header(
+    header: dict[str, tuple[str, list[int]]], entry: LedgerEntry, shard: Path
+) -> list[dict[str, tuple[int, ...]]]:
+    """The shape of each key of each batch, once the header agrees with the ledger record."""
+    record = entry.record
+
+    def damaged(problem: str) -> StoreError:
+        return StoreError(
+            f"shard {shard} disagrees with its ledger record ({entry.where}): {problem}"
+        )
+
+    stored: list[dict[str, tuple[int, ...]]] = [{} for _ in record.batches]
+    seen = set()
+    for name, (code, shape) in header.items():
+        match = _TENSOR_NAME.fullmatch(name)
+        if match is None or int(match.group(1)) >= len(record.batches):
+            raise damaged(f"it holds {name!r}, which the record has no batch for")
+        position, key = int(match.group(1)), match.group(2)
+        rows = record.batches[position].rows
+        dtype = _DTYPES.get(code, code)
+        if key == INDEX_KEY:
+            if dtype != "int64" or list(shape) != [rows]:
+                raise damaged(f"{name!r} is {dtype} {shape}, the record says int64 [{rows}]")
+            continue
+        if key not in record.keys:
+            raise damaged(f"it holds {name!r}, a key the record does not list")
+        if dtype != record.keys[key]:
+            raise damaged(f"{name!r} is {dtype}, the record says {record.keys[key]}")
+        row_shape = record.shapes.get(key)
+        if key in record.per_batch:
+            if row_shape is not None and list(shape) != row_shape:
+                raise damaged(f"{name!r} has shape {shape}, the record says {row_shape}")
+        elif not shape or shape[0] != rows or (row_shape is not None and shape[1:] != row_shape):
+            expected = str([rows, *row_shape]) if row_shape is not None else f"{rows} rows"
+            raise damaged(f"{name!r} has shape {shape}, the record says {expected}")
+        stored[position][key] = tuple(shape)
+        seen.add(key)
+    for position in range(len(record.batches)):  # keys may be in only some batches, not these
+        if f"b{position}/{INDEX_KEY}" not in header:
+            raise damaged(f"batch {position} has no {INDEX_KEY!r}")
+    if set(record.keys) - seen:
+        raise damaged(f"it lacks {sorted(set(record.keys) - seen)}, which the record lists")
+    return stored

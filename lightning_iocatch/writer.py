@@ -1,92 +1,71 @@
 """FeatureWriter: stream each predict batch's captures into a crash-safe, sharded store.
 
-Batches are handed to a writer thread through a bounded queue (back-pressure instead of
-unbounded memory); the thread packs them into safetensors shards of about
-``max_shard_bytes`` and commits each shard atomically, then records it in the rank's
-append-only ledger. See :mod:`lightning_iocatch.ledger` for the format and
+The Lightning side of the store's writer: it decides on rank 0 what the directory allows
+and broadcasts that decision, then hands each batch's flattened captures to a
+:class:`~lightning_iocatch.shard_writer.ShardWriter` (the Trainer-free core, where the
+writing rules live). See :mod:`lightning_iocatch.ledger` for the format and
 :class:`~lightning_iocatch.FeatureStore` to read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import queue
-import threading
-import time
-from dataclasses import dataclass
-from importlib import metadata as importlib_metadata
+import re
+from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
+from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.keys import flatten_captures
-from lightning_iocatch.ledger import (
-    FORMAT,
-    INDEX_KEY,
-    STORE_FILE,
-    BatchRecord,
-    ShardRecord,
-    append_ledger,
-    drop_torn_tail,
-    fsync_dir,
-    is_store_file,
-    ledger_name,
-    read_ledgers,
-    read_store_json,
-    shard_crc32,
-    shard_name,
-    shard_rank_and_seq,
-    write_json_atomic,
+from lightning_iocatch.keys import flatten_captures, flatten_value
+from lightning_iocatch.ledger import read_store_json
+from lightning_iocatch.shard_writer import (
+    MODES,
+    STORABLE_DTYPES,
+    Mode,
+    ShardWriter,
+    StorePlan,
+    prepare_store,
 )
-from lightning_iocatch.sinks import BatchCaptures, CaptureSink
+from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["FeatureWriter"]
 
-Mode = Literal["create", "resume", "overwrite"]
-MODES = ("create", "resume", "overwrite")
-_STOP = object()
+# The key of a module's whole output (a module that returns one tensor): the user asked
+# for exactly this tensor, so it must have a row per sample.
+_WHOLE_OUTPUT = re.compile(r"[^/]*/outputs(@[0-9]+)?")
 
 
-@dataclass
-class _Batch:
-    record: BatchRecord
-    tensors: dict[str, torch.Tensor]  # includes INDEX_KEY
-    nbytes: int
-
-
-def _versions() -> dict[str, str]:
-    versions = {"torch": str(torch.__version__)}
-    for package in ("lightning", "safetensors", "lightning-iocatch"):
-        try:
-            versions[package] = importlib_metadata.version(package)
-        except importlib_metadata.PackageNotFoundError:
-            versions[package] = "unknown"
-    return versions
-
-
-def _unpin(batch: _Batch) -> None:
-    """Move pinned captures to ordinary memory, so the capture's pinned budget is freed now
-    rather than when the shard fills up (the copy runs here, off the forward's path)."""
-    for key, tensor in batch.tensors.items():
-        if tensor.is_pinned():
-            batch.tensors[key] = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
-
-
-def _row_shapes(batches: list[_Batch]) -> dict[str, list[int] | None]:
-    """The shape of one row of each key, or ``None`` where batches disagree."""
-    shapes: dict[str, set[tuple[int, ...]]] = {}
-    for batch in batches:
-        for key, tensor in batch.tensors.items():
-            if key != INDEX_KEY:
-                shapes.setdefault(key, set()).add(tuple(tensor.shape[1:]))
-    return {key: list(next(iter(seen))) if len(seen) == 1 else None for key, seen in shapes.items()}
+def _flatten(captures: Mapping[str, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Every captured tensor under its flat key; two values with one key are refused."""
+    flat = flatten_captures(captures)
+    leaves = 0
+    for name, kinds in captures.items():
+        for kind, entries in kinds.items():
+            for call, entry in enumerate(entries):
+                paths = Counter(path for path, _ in flatten_value(entry, ""))
+                leaves += sum(paths.values())
+                twice = sorted(path for path, count in paths.items() if count > 1)
+                if twice:
+                    raise StoreError(
+                        f"two captured values of {name!r} ({kind}, call {call}) flatten to the "
+                        f"same key path {twice[0]!r} (a mapping key with '/' or a key equal to "
+                        "a position); FeatureWriter refuses to overwrite one with the other: "
+                        "rename the keys in the model's inputs or outputs"
+                    )
+    if leaves != len(flat):
+        raise StoreError(
+            "two captured values flatten to the same key (a module name with '/'); "
+            "FeatureWriter refuses to overwrite one with the other"
+        )
+    return flat
 
 
 class FeatureWriter(CaptureSink):
@@ -95,18 +74,26 @@ class FeatureWriter(CaptureSink):
     Args:
         path: the store directory (created if needed).
         mode: ``"create"`` refuses a directory that is not empty; ``"resume"`` continues
-            an interrupted dump, skipping the batches already committed; ``"overwrite"``
-            deletes a previous store's files first.
-        max_shard_bytes: a shard is committed once it holds this many bytes. The writer
-            holds at most about two shards (one filling, one committing) in memory.
-        dtype: cast floating tensors for storage (e.g. ``torch.float16``).
+            an interrupted dump, writing only the samples not yet committed; ``"overwrite"``
+            deletes a previous store's files first (and nothing else).
+        max_shard_bytes: a shard is written once its batches hold this many bytes.
+        dtype: cast floating tensors for storage: a floating ``torch.dtype`` or its name
+            (``"float16"``).
         queue_size: batches waiting for the writer thread before ``on_batch`` blocks.
         durable: fsync every shard before it is renamed and recorded, so a committed shard
             survives a machine crash. ``False`` keeps the atomic rename and the ledger (a
             killed process still loses nothing committed) but leaves flushing to the OS.
-        stage: the loop whose captures are written (``"predict"``; others are ignored).
+        stage: the loop whose captures are written (one of ``"validate"``, ``"test"``,
+            ``"predict"``); others are ignored.
 
-    Every captured tensor must have one row per sample (the batch dimension first).
+    Memory: the writer holds at most one shard (``max_shard_bytes`` plus the batch that
+    fills it) and ``queue_size + 1`` more batches, whatever the speed of the disk.
+
+    Each dataset index is written once: rows already committed (``mode="resume"``) or
+    already written are dropped, the rest of their batch is written. A tensor with a row
+    per sample (first dimension = the batch's number of samples) is stored row by row; any
+    other tensor is stored once per batch (see :mod:`lightning_iocatch.shard_writer`), except
+    a module's whole output, which must have a row per sample.
 
     Example:
         >>> import tempfile, lightning.pytorch as pl
@@ -135,272 +122,134 @@ class FeatureWriter(CaptureSink):
         *,
         mode: Mode = "create",
         max_shard_bytes: int = 256 << 20,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         queue_size: int = 4,
         durable: bool = True,
         stage: str = "predict",
     ) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"`path` must be a str or os.PathLike, got {type(path).__name__}")
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
-        if max_shard_bytes <= 0:
-            raise ValueError(f"`max_shard_bytes` must be positive, got {max_shard_bytes}")
-        if queue_size < 1:
-            raise ValueError(f"`queue_size` must be at least 1, got {queue_size}")
-        if dtype is not None and not dtype.is_floating_point:
-            raise ValueError(f"`dtype` must be a floating-point dtype or None, got {dtype}")
+        if stage not in STAGES:
+            raise ValueError(f"`stage` must be one of {STAGES}, got {stage!r}")
         self.path = Path(path)
         self.mode = mode
-        self.max_shard_bytes = max_shard_bytes
-        self.dtype = dtype
-        self.queue_size = queue_size
-        self.durable = durable
+        self.max_shard_bytes = check_int("max_shard_bytes", max_shard_bytes, minimum=1)
+        self.dtype = parse_dtype("dtype", dtype)
+        if self.dtype is not None and self.dtype not in STORABLE_DTYPES:
+            raise ValueError(f"`dtype` {dtype!r} is a dtype safetensors cannot store")
+        self.queue_size = check_int("queue_size", queue_size, minimum=1)
+        self.durable = check_bool("durable", durable)
         self.stage = stage
         self.spec: str | None = None  # set by IOCaptureCallback
-        self._committed: dict[int, set[int]] = {}
-        self._queue: queue.Queue[Any] | None = None
-        self._commits: queue.Queue[Any] | None = None
-        self._threads: list[threading.Thread] = []
-        self._error: BaseException | None = None
-        self._rank = 0
-        self._next_seq = 0
-        self.rows_written = 0
-        self.bytes_written = 0
+        self._core: ShardWriter | None = None
+        self._rows_before = self._bytes_before = 0
+
+    @property
+    def rows_written(self) -> int:
+        """Rows this writer wrote (over all its loops)."""
+        return self._rows_before + (self._core.rows_written if self._core else 0)
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of shards this writer wrote (over all its loops)."""
+        return self._bytes_before + (self._core.bytes_written if self._core else 0)
 
     # CaptureSink
 
     def on_loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != self.stage:
-            return
-        self._rank = trainer.global_rank
-        self._prepare_directory(trainer)
-        self._error = None
-        self._start_threads()
+        if stage == self.stage:
+            self._end(abort=True)  # a loop that never reached its end leaves nothing running
+            self._core = ShardWriter(
+                self.path,
+                rank=trainer.global_rank,
+                plan=self._plan(trainer),
+                max_shard_bytes=self.max_shard_bytes,
+                queue_size=self.queue_size,
+                durable=self.durable,
+                dtype=self.dtype,
+            )
 
     def skip_batch(self, stage: str, dataloader_idx: int, indices: tuple[int, ...] | None) -> bool:
-        if stage != self.stage or not indices:
+        if stage != self.stage or not indices or self._core is None:
             return False
-        committed = self._committed.get(dataloader_idx, set())
-        return all(index in committed for index in indices)
+        return self._core.has(dataloader_idx, indices)
 
     def on_batch(self, batch: BatchCaptures) -> None:
-        if batch.stage != self.stage or self._queue is None:
-            return
-        self._raise_thread_error()
-        item = self._prepare_batch(batch)
-        while True:  # wait for room, but notice when the writer thread died meanwhile
-            try:
-                self._queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                self._raise_thread_error()
+        if batch.stage == self.stage and self._core is not None:
+            self._write(self._core, batch)
 
     def on_loop_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == self.stage:
-            self._finish()
-            self._raise_thread_error()
+            self._end(abort=False)
 
     def on_exception(self, stage: str, exception: BaseException) -> None:
         if stage == self.stage:
-            self._finish()  # commit the batches that are complete; errors are already raised
+            # Ctrl-C stops at once; any other failure still commits the complete batches.
+            # The run already fails with ``exception``: a writer error is not raised over it.
+            with contextlib.suppress(StoreError):
+                self._end(abort=isinstance(exception, KeyboardInterrupt))
 
-    # Preparing the directory
+    # The work
 
-    def _prepare_directory(self, trainer: pl.Trainer) -> None:
-        """Check the mode against what is on disk, on every rank, before anyone writes."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        ours = [p for p in self.path.iterdir() if is_store_file(p.name)]
-        if self.mode == "create" and any(self.path.iterdir()):
-            raise StoreError(
-                f"{self.path} is not empty; use FeatureWriter(..., mode='resume') to continue "
-                "an interrupted dump there, mode='overwrite' to replace it, or another path"
-            )
-        if self.mode == "resume" and not (self.path / STORE_FILE).exists():
-            raise StoreError(
-                f"nothing to resume in {self.path}: it holds no {STORE_FILE}; use mode='create'"
-            )
-        if self.mode == "resume":
-            self._check_spec(read_store_json(self.path))
-        trainer.strategy.barrier("iocatch-writer-checked")
+    def _plan(self, trainer: pl.Trainer) -> StorePlan:
+        """Decide on rank 0 and broadcast, so that every rank gets the same answer."""
+        local: BaseException | None = None
+        outcome: StorePlan | str | None = None
         if trainer.global_rank == 0:
-            if self.mode == "overwrite":
-                for stale in ours:
-                    stale.unlink()
-            if self.mode == "resume":
-                self._remove_debris()
-            else:
-                write_json_atomic(self.path / STORE_FILE, self._store_json(trainer))
-        trainer.strategy.barrier("iocatch-writer-prepared")
-        records = read_ledgers(self.path)
-        self._committed = self._committed_indices(records)
-        own = [shard_rank_and_seq(r.file) for r in records if r.rank == self._rank]
-        self._next_seq = max((seq for _, seq in filter(None, own)), default=-1) + 1
-        drop_torn_tail(self.path / ledger_name(self._rank))
-
-    def _check_spec(self, existing: dict[str, Any]) -> None:
-        if self.spec is not None and existing.get("spec") not in (None, self.spec):
+            settings = {
+                "spec": self.spec,
+                "stage": self.stage,
+                "dtype": str(self.dtype).removeprefix("torch.") if self.dtype else None,
+                "world_size": trainer.world_size,
+            }
+            try:
+                outcome = prepare_store(self.path, self.mode, settings)
+            except Exception as error:  # raised below, on every rank
+                local, outcome = error, str(error) or type(error).__name__
+        outcome = trainer.strategy.broadcast(outcome, src=0)
+        if local is not None:
+            raise local
+        if not isinstance(outcome, StorePlan):
+            raise StoreError(str(outcome))
+        try:
+            sees = read_store_json(self.path) == outcome.store_json
+        except (StoreError, OSError):
+            sees = False
+        if not trainer.strategy.reduce_boolean_decision(sees, all=True):
             raise StoreError(
-                f"{self.path} holds captures of spec {existing['spec']!r}, not {self.spec!r}; "
-                "resume with the same spec, or write to another path"
+                f"not every process sees the store that rank 0 prepared at {self.path}: "
+                "FeatureWriter needs one directory that all processes share (a node-local "
+                "path on several machines would split the store); use a shared filesystem"
             )
+        return outcome
 
-    def _store_json(self, trainer: pl.Trainer) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "spec": self.spec,
-            "stage": self.stage,
-            "dtype": str(self.dtype).removeprefix("torch.") if self.dtype else None,
-            "world_size": trainer.world_size,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "libraries": _versions(),
-        }
-
-    def _remove_debris(self) -> None:
-        """Delete ``.tmp`` files and shards that no ledger line vouches for."""
-        committed = {record.file for record in read_ledgers(self.path)}
-        for path in self.path.iterdir():
-            is_shard = path.name.startswith("shard-") and is_store_file(path.name)
-            if path.name.endswith(".tmp") or (is_shard and path.name not in committed):
-                path.unlink()
-        fsync_dir(self.path)
-
-    def _committed_indices(self, records: list[ShardRecord]) -> dict[int, set[int]]:
-        committed: dict[int, set[int]] = {}
-        for record in records:
-            with safe_open(self.path / record.file, framework="pt") as shard:
-                for position, batch in enumerate(record.batches):
-                    indices = shard.get_tensor(f"b{position}/{INDEX_KEY}").tolist()
-                    committed.setdefault(batch.dataloader_idx, set()).update(indices)
-        return committed
-
-    # Batches
-
-    def _prepare_batch(self, batch: BatchCaptures) -> _Batch:
+    def _write(self, core: ShardWriter, batch: BatchCaptures) -> None:
         if batch.indices is None:
             raise StoreError(
                 "FeatureWriter needs the dataset index of every sample, which Lightning records "
                 "for torch DataLoaders in trainer.predict; this batch came without them"
             )
-        rows = len(batch.indices)
-        tensors = {INDEX_KEY: torch.tensor(batch.indices, dtype=torch.int64)}
-        for key, tensor in flatten_captures(batch.captures).items():
-            if tensor.dim() == 0 or tensor.shape[0] != rows:
-                raise StoreError(
-                    f"FeatureWriter stores one row per sample, but {key!r} has shape "
-                    f"{tuple(tensor.shape)} for a batch of {rows} samples; capture a module "
-                    "whose output has the batch dimension first"
-                )
-            if self.dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(self.dtype)
-            tensors[key] = tensor.to("cpu").contiguous()
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return _Batch(BatchRecord(batch.dataloader_idx, batch.batch_idx, rows), tensors, nbytes)
-
-    # The writer threads: one serializes shards to .tmp files (and fsyncs them), the other
-    # commits each (checksum, rename, ledger line) while the next one is being serialized.
-
-    def _start_threads(self) -> None:
-        self._queue = queue.Queue(maxsize=self.queue_size)
-        self._commits = queue.Queue(maxsize=1)
-        self._threads = [
-            threading.Thread(target=self._serialize_loop, name=f"iocatch-shards-r{self._rank}"),
-            threading.Thread(target=self._commit_loop, name=f"iocatch-commits-r{self._rank}"),
-        ]
-        for thread in self._threads:
-            thread.daemon = True
-            thread.start()
-
-    def _serialize_loop(self) -> None:
-        assert self._queue is not None and self._commits is not None
-        pending: list[_Batch] = []
-        size = 0
-        while (item := self._queue.get()) is not _STOP:
-            if self._error is not None:
-                continue  # keep draining so that the producer never blocks forever
-            _unpin(item)
-            pending.append(item)
-            size += item.nbytes
-            if size >= self.max_shard_bytes:
-                self._serialize(pending)
-                pending, size = [], 0
-        if pending and self._error is None:
-            self._serialize(pending)
-        self._commits.put(_STOP)
-
-    def _serialize(self, batches: list[_Batch]) -> None:
-        assert self._commits is not None
-        tmp = self.path / (shard_name(self._rank, self._next_seq) + ".tmp")
-        tensors = {
-            f"b{position}/{key}": tensor
-            for position, batch in enumerate(batches)
-            for key, tensor in batch.tensors.items()
-        }
-        try:
-            save_file(tensors, str(tmp), metadata={"format": FORMAT, "rank": str(self._rank)})
-            if self.durable:
-                with open(tmp, "rb+") as handle:
-                    os.fsync(handle.fileno())
-        except (OSError, SafetensorError) as error:
-            tmp.unlink(missing_ok=True)
-            self._error = StoreError(f"could not write shard {tmp}: {error}")
-            return
-        self._next_seq += 1
-        self._commits.put((tmp, tensors, batches))
-
-    def _commit_loop(self) -> None:
-        assert self._commits is not None
-        while (item := self._commits.get()) is not _STOP:
-            tmp, tensors, batches = item
-            if self._error is not None:
-                tmp.unlink(missing_ok=True)
-                continue
-            try:
-                self._commit(tmp, tensors, batches)
-            except BaseException as error:  # handed to the main thread by _raise_thread_error
-                tmp.unlink(missing_ok=True)
-                self._error = error
-
-    def _commit(self, tmp: Path, tensors: dict[str, torch.Tensor], batches: list[_Batch]) -> None:
-        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
-        try:
-            crc = shard_crc32(tmp, tensors)
-            os.replace(tmp, final)
-            if self.durable:
-                fsync_dir(self.path)
-        except OSError as error:
-            raise StoreError(f"could not write shard {tmp}: {error}") from error
-        keys = {
-            key: str(tensor.dtype).removeprefix("torch.")
-            for batch in batches
-            for key, tensor in batch.tensors.items()
-            if key != INDEX_KEY
-        }
-        record = ShardRecord(
-            file=final.name,
-            rank=self._rank,
-            bytes=final.stat().st_size,
-            crc32=crc,
-            batches=tuple(batch.record for batch in batches),
-            keys=keys,
-            shapes=_row_shapes(batches),
+        tensors = _flatten(batch.captures)
+        core.write(
+            tensors,
+            batch.indices,
+            dataloader_idx=batch.dataloader_idx,
+            batch_idx=batch.batch_idx,
+            repeated=batch.repeated,
+            required=[key for key in tensors if _WHOLE_OUTPUT.fullmatch(key)],
         )
-        try:
-            append_ledger(self.path / ledger_name(self._rank), record)
-        except OSError as error:
-            raise StoreError(
-                f"shard {final} was written but its ledger line could not be: {error}"
-            ) from error
-        self.rows_written += sum(batch.record.rows for batch in batches)
-        self.bytes_written += record.bytes
 
-    def _finish(self) -> None:
-        threads, self._threads = self._threads, []
-        if not threads or self._queue is None:
+    def _end(self, *, abort: bool) -> None:
+        core, self._core = self._core, None
+        if core is None:
             return
-        self._queue.put(_STOP)
-        for thread in threads:
-            thread.join()
-        self._queue = self._commits = None
-
-    def _raise_thread_error(self) -> None:
-        if self._error is not None:
-            raise self._error
+        try:
+            if abort:
+                core.abort()
+            else:
+                core.close()
+        finally:
+            self._rows_before += core.rows_written
+            self._bytes_before += core.bytes_written

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -11,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from lightning_iocatch import FeatureWriter, IOCaptureCallback
+from lightning_iocatch.cli import main
+from lightning_iocatch.ledger import ShardRecord
 from tests.lightning_models import TinyModule, loader, trainer
+from tests.test_store_reader import transplant
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,11 +103,67 @@ def test_inspect_fails_on_missing_or_duplicated_rows(store: Path, tmp_path: Path
     assert missing.returncode == 1 and "2 dataset indices missing, e.g. [30, 31]" in missing.stderr
     copy = tmp_path / "copy"
     shutil.copytree(store, copy)
-    shutil.copy(copy / "ledger-r000.jsonl", copy / "ledger-r001.jsonl")  # every shard twice
+    transplant(store, copy, rank=1)  # every shard again, as rank 1's
     duplicated = cli("inspect", str(copy))
     assert duplicated.returncode == 1 and "30 dataset indices duplicated" in duplicated.stderr
+    assert "rows       30" in duplicated.stdout  # each read once, from its first commit
     absent = cli("inspect", str(tmp_path / "nothing"))
     assert absent.returncode == 2 and "is not a feature store" in absent.stderr
+
+
+def test_inspect_verify_checks_before_printing_anything(store: Path, tmp_path: Path) -> None:
+    copy = Path(shutil.copytree(store, tmp_path / "copy"))
+    shard = copy / "shard-r000-000000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01  # one bit of the tensor data: the header still reads well
+    shard.write_bytes(bytes(data))
+    assert cli("inspect", str(copy)).returncode == 0  # without --verify nothing notices
+    result = cli("inspect", str(copy), "--verify")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == f"error: shard {shard} does not match its checksum: it is corrupted\n"
+
+
+def test_inspect_refuses_a_hostile_store_in_one_line(store: Path, tmp_path: Path) -> None:
+    copy = Path(shutil.copytree(store, tmp_path / "copy"))
+    ledger = copy / "ledger-r000.jsonl"
+    lines = ledger.read_text().splitlines(keepends=True)
+    record = dataclasses.replace(ShardRecord.from_json(lines[0]), file="../outside.safetensors")
+    ledger.write_text(record.to_json() + "\n" + "".join(lines[1:]))
+    result = cli("inspect", str(copy), "--verify")
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"error: {ledger} line 1 is damaged: `file` '../outside")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--expected", "-3"],
+            "error: argument --expected: must be a non-negative integer, got '-3'",
+        ),
+        (["--dataloader-idx", "x"], "error: argument --dataloader-idx: must be a non-negative"),
+        (
+            ["--dataloader-idx", "1"],
+            "error: {store} holds no captures of dataloader_idx=1; it holds",
+        ),
+    ],
+)
+def test_inspect_refuses_bad_arguments_in_one_line(
+    store: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with contextlib.suppress(SystemExit):  # argparse exits; a FeatureStore error returns
+        assert main(["inspect", str(store), *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(message.format(store=store))
+
+
+def test_inspect_bad_arguments_exit_2_without_usage_or_traceback(store: Path) -> None:
+    result = cli("inspect", str(store), "--expected", "ten")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        "error: argument --expected: must be a non-negative integer, got 'ten' "
+        "(see `lightning-iocatch inspect --help`)\n"
+    )
 
 
 def test_plot_from_metrics_csv(tmp_path: Path) -> None:

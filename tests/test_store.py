@@ -14,7 +14,8 @@ from safetensors import safe_open
 from torch import nn
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
-from tests.lightning_models import TinyModule, dataset, loader, manual_outputs, trainer
+from lightning_iocatch.ledger import FORMAT
+from tests.lightning_models import TinyModule, TinyNet, dataset, loader, manual_outputs, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = "inputs[head]|outputs[model.layers.1]"
@@ -53,7 +54,7 @@ def test_dump_round_trips_in_dataset_order(tmp_path: Path) -> None:
 def test_files_are_plain_safetensors_and_json(tmp_path: Path) -> None:
     dump(tmp_path, TinyModule(), n=8, batch_size=4)
     info = json.loads((tmp_path / "store.json").read_text())
-    assert info["format"] == "lightning-iocatch-store/1"
+    assert info["format"] == FORMAT
     (line,) = (tmp_path / "ledger-r000.jsonl").read_text().splitlines()
     record = json.loads(line)
     with safe_open(tmp_path / record["file"], framework="pt") as shard:
@@ -90,11 +91,7 @@ def test_create_refuses_a_non_empty_directory_and_overwrite_replaces(tmp_path: P
         dump(tmp_path / "empty", module, mode="resume")
 
 
-def test_bad_writer_arguments() -> None:
-    with pytest.raises(ValueError, match="`mode` must be one of"):
-        FeatureWriter("x", mode="append")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="`max_shard_bytes` must be positive"):
-        FeatureWriter("x", max_shard_bytes=0)
+def test_a_writer_needs_the_predict_stage() -> None:
     with pytest.raises(ValueError, match="`writer` dumps the predict loop"):
         IOCaptureCallback("outputs[a]", stages=["validate"], writer="x")
 
@@ -150,7 +147,7 @@ class NoBatchDim(TinyModule):
         return self.head(self.model.layers[0](torch.zeros(1, 8)))
 
 
-def test_tensors_without_one_row_per_sample_are_refused(tmp_path: Path) -> None:
+def test_a_module_output_without_a_row_per_sample_is_refused(tmp_path: Path) -> None:
     callback = IOCaptureCallback("outputs[model.layers.0]", writer=FeatureWriter(tmp_path))
     with pytest.raises(StoreError, match="one row per sample.*shape \\(1, 8\\) for a batch of 4"):
         trainer([callback]).predict(NoBatchDim(), loader(8, 4))
@@ -177,42 +174,8 @@ def weights(tmp_path: Path) -> Path:
     return path
 
 
-def shard_rows(path: Path) -> int:
-    return sum(
-        len(json.loads(line)["batches"]) and sum(b["rows"] for b in json.loads(line)["batches"])
-        for ledger in path.glob("ledger-*.jsonl")
-        for line in ledger.read_text().splitlines()
-    )
-
-
-def assert_same_store(a: FeatureStore, b: FeatureStore) -> None:
-    assert a.keys() == b.keys() and torch.equal(a.indices, b.indices)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
 @pytest.mark.slow
-def test_sigkill_mid_dump_then_resume_equals_an_uninterrupted_run(
-    tmp_path: Path, weights: Path
-) -> None:
-    whole, broken, log = tmp_path / "whole", tmp_path / "broken", tmp_path / "computed.jsonl"
-    assert run_dump(whole, weights).returncode == 0
-    killed = run_dump(broken, weights, "--kill-at-batch", "9", "--log", str(log))
-    assert killed.returncode == -9
-    committed = FeatureStore(broken).indices.tolist()
-    assert 0 < len(committed) < 60 and committed == list(range(len(committed)))
-    log.write_text("")
-    resumed = run_dump(broken, weights, "--mode", "resume", "--log", str(log))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    computed = [i for line in log.read_text().splitlines() for i in json.loads(line)]
-    assert not set(computed) & set(committed)  # committed batches were not recomputed
-    assert sorted(computed + committed) == list(range(60))
-    assert_same_store(FeatureStore(broken), FeatureStore(whole))
-    assert shard_rows(broken) == 60  # the files hold every sample exactly once
-    assert not list(broken.glob("*.tmp"))
-
-
-@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:predict returned None")  # the committed batches, skipped
 def test_full_disk_names_the_file_and_keeps_committed_shards(tmp_path: Path, weights: Path) -> None:
     path = tmp_path / "store"
     result = run_dump(path, weights, "--fsize-limit", "200", "--fsize-limit-at-batch", "8")
@@ -222,20 +185,16 @@ def test_full_disk_names_the_file_and_keeps_committed_shards(tmp_path: Path, wei
     assert 0 < len(store) < 60 and store.duplicated_indices() == []
     store.verify()
     assert not list(path.glob("*.tmp"))
-    resumed = run_dump(path, weights, "--mode", "resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert len(FeatureStore(path)) == 60
-
-
-@pytest.mark.slow
-def test_two_process_ddp_dump_equals_one_process(tmp_path: Path, weights: Path) -> None:
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert run_dump(one, weights, "--n", "41").returncode == 0
-    result = run_dump(two, weights, "--n", "41", "--devices", "2")
-    assert result.returncode == 0, result.stderr[-3000:]
-    store = FeatureStore(two)
-    assert store.metadata["ranks"] == [0, 1] and store.metadata["world_size"] == 2
-    assert_same_store(store, FeatureStore(one))
+    module = TinyModule(model=TinyNet(3))  # as the script's, resumed in this process
+    module.load_state_dict(torch.load(weights))
+    writer = FeatureWriter(path, mode="resume", max_shard_bytes=600)
+    callback = IOCaptureCallback("outputs[model.layers.1]|inputs[head]", writer=writer)
+    trainer([callback]).predict(module, loader(60, 4), return_predictions=False)
+    store = FeatureStore(path)
+    assert torch.equal(store.indices, torch.arange(60)) and store.duplicated_indices() == []
+    assert torch.equal(
+        store["model.layers.1/outputs"], manual_outputs(module, dataset(60).tensors[0])[1]
+    )
 
 
 def test_shard_checksum_from_memory_equals_the_files(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from lightning_iocatch.errors import CaptureError
+
 __all__ = ["flatten_captures", "flatten_value"]
 
 
@@ -45,6 +47,10 @@ def flatten_captures(
 ) -> dict[str, torch.Tensor]:
     """Every captured tensor of one batch under its flat key.
 
+    Two captured values that flatten to the same key (a mapping key with ``/``, a key
+    equal to a position, a module name with ``/``) are refused with a ``CaptureError``
+    naming the key, never overwritten.
+
     Example:
         >>> buf = {"h.0": {"inputs": [], "outputs": [(torch.zeros(2, 3), None)]}}
         >>> {k: tuple(v.shape) for k, v in flatten_captures(buf).items()}
@@ -55,5 +61,14 @@ def flatten_captures(
         for kind, entries in kinds.items():
             for call, entry in enumerate(entries):
                 prefix = f"{name}/{kind}" if call == 0 else f"{name}/{kind}@{call}"
-                flat.update(flatten_value(entry, prefix))
+                for key, tensor in flatten_value(entry, prefix):
+                    if key in flat:
+                        raise CaptureError(
+                            f"two captured values of {name!r} ({kind}, call {call}) flatten to "
+                            f"the same key path {key.removeprefix(prefix)!r} (key {key!r}: a "
+                            "mapping key with '/', a key equal to a position, or a module name "
+                            "with '/'); refusing to overwrite one with the other: rename the "
+                            "keys in the model's inputs or outputs"
+                        )
+                    flat[key] = tensor
     return flat

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_iocatch.checks import check_bool, check_int, parse_dtype
-from lightning_iocatch.errors import StoreError
-from lightning_iocatch.keys import flatten_captures, flatten_value
+from lightning_iocatch.errors import CaptureError, StoreError
+from lightning_iocatch.keys import flatten_captures
 from lightning_iocatch.ledger import read_store_json
 from lightning_iocatch.shard_writer import (
     MODES,
@@ -45,27 +44,10 @@ _WHOLE_OUTPUT = re.compile(r"[^/]*/outputs(@[0-9]+)?")
 
 def _flatten(captures: Mapping[str, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     """Every captured tensor under its flat key; two values with one key are refused."""
-    flat = flatten_captures(captures)
-    leaves = 0
-    for name, kinds in captures.items():
-        for kind, entries in kinds.items():
-            for call, entry in enumerate(entries):
-                paths = Counter(path for path, _ in flatten_value(entry, ""))
-                leaves += sum(paths.values())
-                twice = sorted(path for path, count in paths.items() if count > 1)
-                if twice:
-                    raise StoreError(
-                        f"two captured values of {name!r} ({kind}, call {call}) flatten to the "
-                        f"same key path {twice[0]!r} (a mapping key with '/' or a key equal to "
-                        "a position); FeatureWriter refuses to overwrite one with the other: "
-                        "rename the keys in the model's inputs or outputs"
-                    )
-    if leaves != len(flat):
-        raise StoreError(
-            "two captured values flatten to the same key (a module name with '/'); "
-            "FeatureWriter refuses to overwrite one with the other"
-        )
-    return flat
+    try:
+        return flatten_captures(captures)
+    except CaptureError as error:
+        raise StoreError(f"FeatureWriter: {error}") from error
 
 
 class FeatureWriter(CaptureSink):

@@ -49,3 +49,22 @@ def test_dataclasses_none_and_repeated_calls() -> None:
         "block/outputs/left",
         "block/outputs@1/0",
     ]
+
+
+def test_values_that_flatten_to_one_key_are_refused_never_overwritten() -> None:
+    import pytest
+
+    from lightning_iocatch.errors import CaptureError
+    from lightning_iocatch.keys import flatten_captures
+
+    x = torch.zeros(1)
+    for captures in (
+        {"m": {"inputs": [], "outputs": [{"a/b": x, "a": {"b": x}}]}},
+        {"m": {"inputs": [], "outputs": [{0: x, "0": x}]}},
+        {
+            "m/outputs": {"inputs": [], "outputs": [x]},
+            "m": {"inputs": [], "outputs": [{"outputs": x}]},
+        },
+    ):
+        with pytest.raises(CaptureError, match="flatten to the same key path"):
+            flatten_captures(captures)

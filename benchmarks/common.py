@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -58,26 +60,59 @@ def seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_medians(
-    variants: dict[str, Callable[[], object]], repeats: int
-) -> dict[str, float]:
-    """Median seconds of each variant over ``repeats`` rounds, after one warm-up round."""
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+def interleaved_ratios(
+    variants: dict[str, Callable[[], object]],
+    repeats: int,
+    *,
+    baseline: str = "plain",
+    around: dict[str, Callable[[], AbstractContextManager[object]]] | None = None,
+    min_seconds: float = 0.05,
+) -> dict[str, Any]:
+    """Each variant's time over the baseline's, round by round: median, min and max.
+
+    One warm-up round, then ``repeats`` rounds; every round times each variant once, in
+    an order reversed every other round so that neither drift nor position favours one,
+    and each variant's ratio is taken to the baseline of the same round. A timing runs
+    its variant as many times as the baseline needs to last ``min_seconds`` (the same
+    count for every variant), so that short forwards are not lost in timer noise.
+    ``around[name]`` gives a context entered before and left after each timing.
+    Returns ``{"baseline_s": median seconds a call, "calls": calls a timing, name:
+    {"median", "min", "max"}, ...}``.
+    """
+    around = around or {}
+    names = list(variants)
+    calls = 1
+    samples: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(repeats + 1):
-        for name, fn in variants.items():
-            elapsed = seconds(fn)
+        for name in names if round_ % 2 else reversed(names):
+            with around.get(name, nullcontext)():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    variants[name]()
+                elapsed = time.perf_counter() - start
             if round_:
                 samples[name].append(elapsed)
-    return {name: statistics.median(values) for name, values in samples.items()}
+            elif name == baseline:  # warm-up: how many calls make one timing
+                calls = max(1, math.ceil(min_seconds / max(elapsed, 1e-9)))
+    base = samples[baseline]
+    result: dict[str, Any] = {"baseline_s": round(statistics.median(base) / calls, 5)}
+    result["calls"] = calls
+    for name in names:
+        if name != baseline:
+            ratios = [t / b for t, b in zip(samples[name], base, strict=True)]
+            result[name] = spread(ratios)
+    return result
 
 
-def ratios_to_plain(medians: dict[str, float], **facts: Any) -> dict[str, Any]:
-    """The printed result: run facts, the plain time, and every other variant over it."""
-    plain = medians["plain"]
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max, rounded for printing."""
     return {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        **facts,
-        "plain_s": round(plain, 3),
-        **{name: round(value / plain, 3) for name, value in medians.items() if name != "plain"},
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
     }
+
+
+def run_facts(**facts: Any) -> dict[str, Any]:
+    """What every printed result starts with: the torch version and thread count."""
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), **facts}

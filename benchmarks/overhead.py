@@ -1,7 +1,8 @@
 """Overhead of ModelIOCatcher against a plain forward, in one run, printed as JSON.
 
-Every figure is a ratio of medians to a plain forward of the same model measured in
-the same run, with the variants interleaved so that machine noise hits all alike.
+Every figure is the ratio of a variant's time to a plain forward of the same model in
+the same round, over interleaved rounds (median, min and max), so that machine noise
+hits all variants alike.
 
     python benchmarks/overhead.py            # full run (about a minute on 2 cores)
     python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
@@ -19,42 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 
 import torch
-from common import gpt2
+from common import gpt2, interleaved_ratios, run_facts
 from torch import nn
 from transformers import GPT2Model
 
 from lightning_iocatch import ModelIOCatcher
-
-
-def median_times(
-    variants: dict[str, Callable[[], object]],
-    repeats: int,
-    around: dict[str, Callable[[], AbstractContextManager[object]]] | None = None,
-) -> dict[str, float]:
-    """Median seconds per call of each variant, interleaved, after one warm-up round.
-
-    ``around[name]`` gives a context entered before and left after each timed call of
-    that variant, outside the timed region (e.g. opening a capture session).
-    """
-    around = around or {}
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    with torch.inference_mode():
-        for round_ in range(repeats + 1):
-            for name, fn in variants.items():
-                with around.get(name, nullcontext)():
-                    start = time.perf_counter()
-                    fn()
-                    elapsed = time.perf_counter() - start
-                if round_:
-                    samples[name].append(elapsed)
-    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 @contextmanager
@@ -93,15 +68,9 @@ def idle_and_armed(model: nn.Module, x: torch.Tensor, middle: str, repeats: int)
     forward = partial(model, x)
     variants = {"plain": forward, "idle": forward, "armed": armed, "all_hooks_idle": forward}
     around = {"armed": lambda: session, "all_hooks_idle": lambda: all_module_hooks(model)}
-    times = median_times(variants, repeats, around=around)
-    plain = times["plain"]
-    return {
-        "modules": sum(1 for _ in model.modules()),
-        "plain_ms": round(plain * 1e3, 3),
-        "idle": round(times["idle"] / plain, 3),
-        "armed": round(times["armed"] / plain, 3),
-        "all_hooks_idle": round(times["all_hooks_idle"] / plain, 3),
-    }
+    with torch.inference_mode():
+        ratios = interleaved_ratios(variants, repeats, around=around)
+    return {"modules": sum(1 for _ in model.modules()), **ratios}
 
 
 def mlp(depth: int, width: int) -> nn.Sequential:
@@ -152,16 +121,15 @@ def early_exit(model: GPT2Model, ids: torch.Tensor, repeats: int) -> dict:
     for label, stop in stops.items():
         variants[f"early_exit_{label}"] = cut_at(stop)
         variants[f"share_{label}"] = truncated_forward(stop)
-    times = median_times(variants, repeats)
-    plain = times["plain"]
-    result: dict = {"plain_ms": round(plain * 1e3, 3)}
+    with torch.inference_mode():
+        ratios = interleaved_ratios(variants, repeats)
+    result: dict = {"baseline_s": ratios["baseline_s"]}
     for label in stops:
-        ratio = times[f"early_exit_{label}"] / plain
-        share = times[f"share_{label}"] / plain
+        ratio, share = ratios[f"early_exit_{label}"], ratios[f"share_{label}"]
         result[f"early_exit_{label}"] = {
-            "ratio": round(ratio, 3),
-            "share_run": round(share, 3),
-            "excess": round(ratio - share, 3),
+            **ratio,
+            "share_run": share["median"],
+            "excess": round(ratio["median"] - share["median"], 3),
         }
     return result
 
@@ -170,7 +138,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per variant")
-    parser.add_argument("--markdown", action="store_true", help="also print the README table")
     args = parser.parse_args()
     repeats = args.repeats or (5 if args.quick else 60)
     torch.manual_seed(0)
@@ -179,9 +146,7 @@ def main() -> None:
     model = gpt2()
     ids = torch.randint(0, 1024, (4, 128))
     results = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "repeats": repeats,
+        **run_facts(repeats=repeats),
         "mlp_200_layers": idle_and_armed(mlp(200, 256), torch.randn(64, 256), "200", repeats),
         "model_2000_modules": idle_and_armed(
             many_modules(2000, 32), torch.randn(16, 32), "200", repeats
@@ -192,28 +157,6 @@ def main() -> None:
         },
     }
     print(json.dumps(results, indent=2))
-    if args.markdown:
-        print(markdown_table(results))
-
-
-def markdown_table(results: dict) -> str:
-    """The README's performance table, from the JSON above."""
-    rows = [
-        "| model | plain forward | idle catcher | armed (1 module) | reference-style hooks, idle |"
-    ]
-    rows.append("|---|---|---|---|---|")
-    for key in ("mlp_200_layers", "model_2000_modules", "gpt2_12_blocks"):
-        r = results[key]
-        rows.append(
-            f"| {key} ({r['modules']} modules) | {r['plain_ms']:.1f} ms | {r['idle']:.3f}x "
-            f"| {r['armed']:.3f}x | {r['all_hooks_idle']:.3f}x |"
-        )
-    rows += ["", "| early exit (GPT-2, 12 blocks) | ratio to full forward | share of network run |"]
-    rows.append("|---|---|---|")
-    for label in ("block0", "middle", "last"):
-        r = results["gpt2_12_blocks"][f"early_exit_{label}"]
-        rows.append(f"| after {label} | {r['ratio']:.3f}x | {r['share_run']:.3f} |")
-    return "\n".join(rows)
 
 
 if __name__ == "__main__":

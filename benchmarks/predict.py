@@ -3,8 +3,8 @@
     python benchmarks/predict.py [--quick]
 
 A 12-block GPT-2-style model (d=256) in a LightningModule predicts 16 batches of 4x128
-tokens. Rows, as median ratios to ``trainer.predict`` without the callback, measured in
-the same run and interleaved:
+tokens. Rows, as ratios to ``trainer.predict`` without the callback in the same round
+(median, min and max over interleaved rounds):
 
 - ``early_exit_block0``: ``IOCaptureCallback("outputs[model.h.0]", early_exit=True)``;
 - ``capture_block0``: the same capture without early exit (the whole forward runs);
@@ -18,7 +18,7 @@ import json
 
 import lightning.pytorch as pl
 import torch
-from common import Encoder, gpt2, interleaved_medians, quiet_trainer, ratios_to_plain
+from common import Encoder, gpt2, interleaved_ratios, quiet_trainer, run_facts
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -29,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
     args = parser.parse_args()
-    repeats = 2 if args.quick else 7
+    repeats = 2 if args.quick else 9
     torch.manual_seed(0)
     module = Encoder()
     truncated = Encoder(gpt2(n_layer=1))
@@ -40,7 +40,7 @@ def main() -> None:
     def predict(model: Encoder, callbacks: list[pl.Callback]) -> None:
         quiet_trainer(callbacks).predict(model, loader, return_predictions=True)
 
-    medians = interleaved_medians(
+    ratios = interleaved_ratios(
         {
             "plain": lambda: predict(module, []),
             "early_exit_block0": lambda: predict(
@@ -51,7 +51,7 @@ def main() -> None:
         },
         repeats,
     )
-    results = ratios_to_plain(medians, repeats=repeats, batches=len(loader))
+    results = run_facts(repeats=repeats, batches=len(loader), **ratios)
     print(json.dumps(results, indent=2))
 
 

@@ -3,8 +3,8 @@
     python benchmarks/probes.py [--quick]
 
 A 12-block GPT-2-style model (d=256) in a LightningModule validates 16 batches of 4x128
-tokens. Rows, as median ratios to ``trainer.validate`` without the callback, measured in
-the same run and interleaved:
+tokens. Rows, as ratios to ``trainer.validate`` without the callback in the same round
+(median, min and max over interleaved rounds):
 
 - ``activation_stats``: ``ActivationStats`` on the outputs of all 12 blocks (target <= 1.15);
 - ``stats_probe_cka``: ``ActivationStats``, a ``LinearProbe`` and ``LayerCKA`` on the same.
@@ -18,7 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from common import Encoder, interleaved_medians, quiet_trainer, ratios_to_plain
+from common import Encoder, interleaved_ratios, quiet_trainer, run_facts
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_iocatch import IOCaptureCallback
@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
     args = parser.parse_args()
-    repeats = 2 if args.quick else 7
+    repeats = 2 if args.quick else 9
     torch.manual_seed(0)
     module = Encoder()
     ids = torch.randint(0, 1024, (64, 128))
@@ -44,7 +44,7 @@ def main() -> None:
         quiet_trainer(callbacks).validate(module, loader, verbose=False)
 
     every_probe = [ActivationStats(), LinearProbe(labels_of, num_classes=4), LayerCKA()]
-    medians = interleaved_medians(
+    ratios = interleaved_ratios(
         {
             "plain": lambda: validate([]),
             "activation_stats": lambda: validate(
@@ -54,7 +54,7 @@ def main() -> None:
         },
         repeats,
     )
-    results = ratios_to_plain(medians, repeats=repeats, batches=len(loader))
+    results = run_facts(repeats=repeats, batches=len(loader), **ratios)
     print(json.dumps(results, indent=2))
 
 

@@ -3,16 +3,15 @@
 Opening a store reads its JSON metadata, its ledgers and each shard's header (checked
 against its ledger record); tensors are memory-mapped from the safetensors shards when
 asked for. Nothing is unpickled and no code from the files runs, and only the store's own
-files inside its directory are read (see :mod:`lightning_iocatch.ledger`).
+files inside its directory are read (see :mod:`lightning_iocatch.store_files`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,64 +19,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import (
-    INDEX_KEY,
-    LedgerEntry,
-    check_own_path,
-    file_crc32,
-    read_ledger_entries,
-    read_store_json,
-    shard_rank_and_seq,
-)
+from lightning_iocatch.ledger import LedgerEntry, file_crc32, read_ledger_entries
+from lightning_iocatch.shard_headers import StoredBatch, check_header, check_shards
 from lightning_iocatch.spec import close_names
+from lightning_iocatch.store_files import INDEX_KEY, read_store_json, shard_rank_and_seq
 
 __all__ = ["FeatureStore"]
 
 OnDuplicate = Literal["error", "first"]
 _ON_DUPLICATE = ("error", "first")
-_TENSOR_NAME = re.compile(r"b(0|[1-9][0-9]*)/(.+)", re.ASCII | re.DOTALL)
-# safetensors' dtype codes, by the names FeatureWriter records (str(dtype) less "torch.")
-_DTYPES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "U16": "uint16",
-    "I16": "int16",
-    "U32": "uint32",
-    "I32": "int32",
-    "U64": "uint64",
-    "I64": "int64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-}
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """One stored batch of the store's dataloader, as its shard's header describes it."""
-
-    shard: Path
-    position: int
-    shapes: dict[str, tuple[int, ...]]  # key -> stored shape (rows first, unless per batch)
-    dtypes: dict[str, str]  # key -> dtype
-    per_batch: frozenset[str]
-    indices: torch.Tensor  # int64 [rows]: the dataset index of each row
-    keep: torch.Tensor | None  # bool [rows]: rows read (None: all; see `on_duplicate`)
-
-    def kept(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows if self.keep is None else rows[self.keep]
-
-    @property
-    def kept_indices(self) -> torch.Tensor:
-        return self.kept(self.indices)
 
 
 class FeatureStore:
@@ -149,7 +99,7 @@ class FeatureStore:
             read_ledger_entries(self.path), key=lambda entry: _rank_and_seq(entry.record.file)
         )
         self._records = [entry.record for entry in entries]
-        self._shards = self._checked_shards(entries)
+        self._shards = check_shards(self.path, entries)
         if verify:
             self.verify()
         present = sorted({b.dataloader_idx for record in self._records for b in record.batches})
@@ -173,33 +123,7 @@ class FeatureStore:
 
     # Opening: every check before any tensor is read
 
-    def _checked_shards(self, entries: list[LedgerEntry]) -> dict[str, Path]:
-        shards: dict[str, Path] = {}
-        first: dict[str, LedgerEntry] = {}
-        for entry in entries:
-            record = entry.record
-            if record.file in first:
-                raise StoreError(
-                    f"shard {record.file} is recorded twice, in {first[record.file].where} and "
-                    f"{entry.where}: the ledger is damaged"
-                )
-            first[record.file] = entry
-            shard = check_own_path(self.path, record.file)
-            if not shard.is_file():
-                problem = "is not a regular file" if os.path.lexists(shard) else "missing"
-                raise StoreError(
-                    f"shard {shard} is in the ledger ({entry.where}) but {problem} on disk"
-                )
-            size = shard.stat().st_size
-            if size != record.bytes:
-                raise StoreError(
-                    f"shard {shard} is {size} bytes, the ledger says {record.bytes} "
-                    f"({entry.where}): it was truncated or replaced"
-                )
-            shards[record.file] = shard
-        return shards
-
-    def _read_batches(self, entry: LedgerEntry) -> list[_Batch]:
+    def _read_batches(self, entry: LedgerEntry) -> list[StoredBatch]:
         """This dataloader's batches of one shard, its header checked against the record."""
         record, shard = entry.record, self._shards[entry.record.file]
         try:
@@ -207,7 +131,7 @@ class FeatureStore:
                 names = handle.keys()
                 slices = {name: handle.get_slice(name) for name in names}
                 header = {name: (s.get_dtype(), s.get_shape()) for name, s in slices.items()}
-                stored = _check_header(header, entry, shard)
+                stored = check_header(header, entry, shard)
                 indices = {
                     position: handle.get_tensor(f"b{position}/{INDEX_KEY}")
                     for position, batch in enumerate(record.batches)
@@ -220,7 +144,7 @@ class FeatureStore:
             if bool((index < 0).any()):
                 raise StoreError(f"shard {shard} is damaged: batch {position} has negative indices")
             batches.append(
-                _Batch(
+                StoredBatch(
                     shard=shard,
                     position=position,
                     shapes=stored[position],
@@ -263,8 +187,8 @@ class FeatureStore:
         keep[order[first]] = True
         sizes = [int(batch.indices.numel()) for batch in self._batches]
         self._batches = [
-            _Batch(b.shard, b.position, b.shapes, b.dtypes, b.per_batch, b.indices, mask)
-            for b, mask in zip(self._batches, keep.split(sizes), strict=True)
+            dataclasses.replace(batch, keep=mask)
+            for batch, mask in zip(self._batches, keep.split(sizes), strict=True)
         ]
         return [int(value) for value in duplicated.tolist()]
 
@@ -363,10 +287,10 @@ class FeatureStore:
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
             raise KeyError(f"no key {key!r} in {self.path}{hint} Keys: {self.keys()}")
 
-    def _holders(self, key: str) -> list[_Batch]:
+    def _holders(self, key: str) -> list[StoredBatch]:
         return [batch for batch in self._batches if key in batch.shapes]
 
-    def _stored(self, key: str) -> Iterator[tuple[_Batch, torch.Tensor]]:
+    def _stored(self, key: str) -> Iterator[tuple[StoredBatch, torch.Tensor]]:
         """``key`` of every batch holding it, in commit order, opening each shard once."""
         for shard, group in itertools.groupby(self._holders(key), key=lambda b: b.shard):
             try:
@@ -467,48 +391,3 @@ def _rank_and_seq(name: str) -> tuple[int, int]:
     if named is None:  # read_ledger_entries accepts shard names only
         raise StoreError(f"{name!r} is not a shard name")
     return named
-
-
-def _check_header(
-    header: dict[str, tuple[str, list[int]]], entry: LedgerEntry, shard: Path
-) -> list[dict[str, tuple[int, ...]]]:
-    """The shape of each key of each batch, once the header agrees with the ledger record."""
-    record = entry.record
-
-    def damaged(problem: str) -> StoreError:
-        return StoreError(
-            f"shard {shard} disagrees with its ledger record ({entry.where}): {problem}"
-        )
-
-    stored: list[dict[str, tuple[int, ...]]] = [{} for _ in record.batches]
-    seen = set()
-    for name, (code, shape) in header.items():
-        match = _TENSOR_NAME.fullmatch(name)
-        if match is None or int(match.group(1)) >= len(record.batches):
-            raise damaged(f"it holds {name!r}, which the record has no batch for")
-        position, key = int(match.group(1)), match.group(2)
-        rows = record.batches[position].rows
-        dtype = _DTYPES.get(code, code)
-        if key == INDEX_KEY:
-            if dtype != "int64" or list(shape) != [rows]:
-                raise damaged(f"{name!r} is {dtype} {shape}, the record says int64 [{rows}]")
-            continue
-        if key not in record.keys:
-            raise damaged(f"it holds {name!r}, a key the record does not list")
-        if dtype != record.keys[key]:
-            raise damaged(f"{name!r} is {dtype}, the record says {record.keys[key]}")
-        row_shape = record.shapes.get(key)
-        if key in record.per_batch:
-            if row_shape is not None and list(shape) != row_shape:
-                raise damaged(f"{name!r} has shape {shape}, the record says {row_shape}")
-        elif not shape or shape[0] != rows or (row_shape is not None and shape[1:] != row_shape):
-            expected = str([rows, *row_shape]) if row_shape is not None else f"{rows} rows"
-            raise damaged(f"{name!r} has shape {shape}, the record says {expected}")
-        stored[position][key] = tuple(shape)
-        seen.add(key)
-    for position in range(len(record.batches)):  # keys may be in only some batches, not these
-        if f"b{position}/{INDEX_KEY}" not in header:
-            raise damaged(f"batch {position} has no {INDEX_KEY!r}")
-    if set(record.keys) - seen:
-        raise damaged(f"it lacks {sorted(set(record.keys) - seen)}, which the record lists")
-    return stored

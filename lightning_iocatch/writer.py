@@ -3,8 +3,9 @@
 The Lightning side of the store's writer: it decides on rank 0 what the directory allows
 and broadcasts that decision, then hands each batch's flattened captures to a
 :class:`~lightning_iocatch.shard_writer.ShardWriter` (the Trainer-free core, where the
-writing rules live). See :mod:`lightning_iocatch.ledger` for the format and
-:class:`~lightning_iocatch.FeatureStore` to read it.
+writing rules live). See :mod:`lightning_iocatch.store_files` and
+:mod:`lightning_iocatch.ledger` for the format and :class:`~lightning_iocatch.FeatureStore`
+to read it.
 """
 
 from __future__ import annotations
@@ -21,16 +22,11 @@ import torch
 from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import CaptureError, StoreError
 from lightning_iocatch.keys import flatten_captures
-from lightning_iocatch.ledger import read_store_json
-from lightning_iocatch.shard_writer import (
-    MODES,
-    STORABLE_DTYPES,
-    Mode,
-    ShardWriter,
-    StorePlan,
-    prepare_store,
-)
+from lightning_iocatch.shard_file import STORABLE_DTYPES
+from lightning_iocatch.shard_writer import ShardWriter
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink
+from lightning_iocatch.store_files import read_store_json
+from lightning_iocatch.store_plan import MODES, Mode, StorePlan, prepare_store
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -74,7 +70,7 @@ class FeatureWriter(CaptureSink):
     Each dataset index is written once: rows already committed (``mode="resume"``) or
     already written are dropped, the rest of their batch is written. A tensor with a row
     per sample (first dimension = the batch's number of samples) is stored row by row; any
-    other tensor is stored once per batch (see :mod:`lightning_iocatch.shard_writer`), except
+    other tensor is stored once per batch (see :mod:`lightning_iocatch.row_selection`), except
     a module's whole output, which must have a row per sample.
 
     Example:

@@ -27,15 +27,17 @@ import lightning_iocatch.store as store_module
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
 from lightning_iocatch.cli import main
 from lightning_iocatch.ledger import (
-    FORMAT,
-    STORE_FILE,
     BatchRecord,
     ShardRecord,
     append_ledger,
     drop_torn_tail,
     file_crc32,
-    ledger_name,
     read_ledgers,
+)
+from lightning_iocatch.store_files import (
+    FORMAT,
+    STORE_FILE,
+    ledger_name,
     shard_name,
     shard_rank_and_seq,
     write_json_atomic,

@@ -35,8 +35,9 @@ from lightning_iocatch import (
     IOCaptureCallback,
     StoreError,
 )
-from lightning_iocatch.ledger import INDEX_KEY, is_store_file, read_ledgers
+from lightning_iocatch.ledger import read_ledgers
 from lightning_iocatch.probes import ActivationStats
+from lightning_iocatch.store_files import INDEX_KEY, is_store_file
 from tests.lightning_models import TinyModule, TinyNet, dataset, manual_outputs, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:predict returned None")  # skipped batches
@@ -315,7 +316,7 @@ def _kill_both_ranks() -> None:
 
 def ddp_main(out: Path, weights: Path) -> None:
     """Runs of 2-process DDP dumps in one launch; each rank notes each run's outcome."""
-    import lightning_iocatch.shard_writer as core
+    import lightning_iocatch.store_plan as core
     import lightning_iocatch.writer as adapter
 
     rank = int(os.environ.get("LOCAL_RANK", 0))

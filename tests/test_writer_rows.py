@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback
-from lightning_iocatch.ledger import INDEX_KEY, read_ledgers
+from lightning_iocatch.ledger import read_ledgers
+from lightning_iocatch.store_files import INDEX_KEY
 from tests.lightning_models import trainer
 
 LAYER = "model.model.layers.0"

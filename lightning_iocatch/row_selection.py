@@ -1,0 +1,178 @@
+"""Which rows and keys of a batch a store gets, decided on the calling thread.
+
+The rules a :class:`~lightning_iocatch.shard_writer.ShardWriter` applies through a
+:class:`RowSelector`, before anything is queued for its writer thread:
+
+- **Each dataset index once.** A row whose dataset index is already committed (an earlier,
+  interrupted run) or already written in this run, or that a sampler marks as padding, is
+  dropped; the rest of its batch is written. The decision is per row, per dataloader.
+- **Rows and batches.** A tensor whose first dimension is the batch's number of samples
+  is stored row by row. Any other tensor (no dimension, or a first dimension of another
+  size, such as rotary position embeddings with batch dimension 1) is stored once per
+  batch and listed in the ledger record's ``per_batch``. A key keeps the kind it got when
+  first stored (also across a resume): a key stored row by row that later arrives without
+  a row per sample is not stored for that batch and is named, with the reason, in the
+  record's ``skipped``. A key in ``required`` that lacks a row per sample is refused.
+- **Refused on the calling thread.** A tensor safetensors cannot store (sparse, nested,
+  meta, or a dtype outside :data:`~lightning_iocatch.shard_file.STORABLE_DTYPES`) raises
+  :class:`~lightning_iocatch.StoreError` naming its key.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_iocatch.errors import StoreError
+from lightning_iocatch.ledger import BatchRecord
+from lightning_iocatch.shard_file import STORABLE_DTYPES, dtype_name
+from lightning_iocatch.store_files import INDEX_KEY
+from lightning_iocatch.store_plan import IndexSet, StorePlan
+
+__all__ = ["RowSelector", "SelectedBatch"]
+
+_ROWS, _BATCH = "rows", "batch"
+
+
+@dataclass
+class SelectedBatch:
+    """What a store gets of one batch: the tensors of its new rows, ready to be written."""
+
+    record: BatchRecord
+    tensors: dict[str, torch.Tensor]  # includes INDEX_KEY
+    per_batch: frozenset[str]
+    skipped: dict[str, str]
+    nbytes: int
+
+
+class RowSelector:
+    """Selects the rows and keys of each batch that a store gets (see the module docstring).
+
+    Args:
+        plan: what :func:`~lightning_iocatch.store_plan.prepare_store` returned: the
+            dataset indices already committed and the kind of each key already stored.
+        dtype: cast floating tensors to this dtype for storage.
+    """
+
+    def __init__(self, plan: StorePlan, dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype
+        self._seen = {dataloader: IndexSet(bits) for dataloader, bits in plan.committed.items()}
+        self._kinds = {key: _ROWS for key in plan.row_keys} | {k: _BATCH for k in plan.batch_keys}
+
+    def has(self, dataloader_idx: int, indices: Sequence[int]) -> bool:
+        """True when every one of ``indices`` is committed or already written in this run."""
+        seen = self._seen.get(dataloader_idx)
+        return seen is not None and all(index in seen for index in indices)
+
+    def select(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        indices: Sequence[int],
+        *,
+        dataloader_idx: int,
+        batch_idx: int,
+        repeated: Sequence[bool] | None,
+        required: Collection[str],
+    ) -> SelectedBatch | None:
+        """The new rows of one batch (``None`` when it has none), marked as written.
+
+        ``tensors`` by key, ``indices`` the dataset index of each sample; ``repeated`` marks
+        samples that are padding; ``required`` names keys that must have a row per sample.
+
+        Raises:
+            StoreError: a tensor that cannot be stored (naming its key), or an index that is
+                not a non-negative integer.
+        """
+        if INDEX_KEY in tensors:
+            raise StoreError(f"{INDEX_KEY!r} is the store's own key for dataset indices; rename it")
+        rows = len(indices)
+        stored = {key: self._storable(key, tensor) for key, tensor in tensors.items()}
+        for key in required:
+            tensor = stored.get(key)
+            if tensor is not None and not (tensor.dim() and tensor.shape[0] == rows):
+                raise StoreError(
+                    f"FeatureWriter stores one row per sample, but {key!r} has shape "
+                    f"{tuple(tensor.shape)} for a batch of {rows} samples; capture a module "
+                    "whose output has the batch dimension first"
+                )
+        keep = self._new_rows(dataloader_idx, batch_idx, indices, repeated)
+        if not keep:
+            return None
+        positions = list(keep)
+        select = torch.tensor(positions) if len(positions) < rows else None
+        batch = {INDEX_KEY: torch.tensor(list(keep.values()), dtype=torch.int64)}
+        per_batch: set[str] = set()
+        skipped: dict[str, str] = {}
+        for key, tensor in stored.items():
+            has_rows = bool(tensor.dim()) and tensor.shape[0] == rows
+            kind = self._kinds.setdefault(key, _ROWS if has_rows else _BATCH)
+            if kind == _BATCH:
+                batch[key] = tensor.contiguous()
+                per_batch.add(key)
+            elif has_rows:
+                batch[key] = tensor.index_select(0, select) if select is not None else tensor
+                batch[key] = batch[key].contiguous()
+            else:
+                skipped[key] = (
+                    f"shape {tuple(tensor.shape)} has no row per sample in a batch of {rows} "
+                    "samples, though earlier batches stored this key row by row"
+                )
+        seen = self._seen.setdefault(dataloader_idx, IndexSet())
+        for index in keep.values():
+            seen.add(index)
+        nbytes = sum(tensor.numel() * tensor.element_size() for tensor in batch.values())
+        record = BatchRecord(dataloader_idx, batch_idx, len(keep))
+        return SelectedBatch(record, batch, frozenset(per_batch), skipped, nbytes)
+
+    def _storable(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        problem = None
+        if tensor.is_nested:
+            problem = "a nested tensor; store its components as separate outputs"
+        elif tensor.layout != torch.strided:
+            problem = f"a {tensor.layout} tensor; make it dense (`.to_dense()`) in the model"
+        elif tensor.is_meta:
+            problem = "a meta tensor, which holds no data"
+        else:
+            if self.dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(self.dtype)
+            if tensor.dtype not in STORABLE_DTYPES:
+                names = ", ".join(dtype_name(dtype) for dtype in STORABLE_DTYPES)
+                problem = (
+                    f"of dtype {dtype_name(tensor.dtype)}, which safetensors cannot store "
+                    f"(it stores {names}); convert it in the model"
+                )
+        if problem is not None:
+            raise StoreError(f"FeatureWriter cannot store {key!r}: it is {problem}")
+        return tensor.detach().to("cpu").resolve_conj().resolve_neg()
+
+    def _new_rows(
+        self,
+        dataloader_idx: int,
+        batch_idx: int,
+        indices: Sequence[int],
+        repeated: Sequence[bool] | None,
+    ) -> dict[int, int]:
+        """The rows to write (new indices, first occurrence, not padding): position -> index."""
+        seen = self._seen.get(dataloader_idx, IndexSet())
+        keep: dict[int, int] = {}
+        fresh: set[int] = set()
+        for position, value in enumerate(indices):
+            try:
+                index = operator.index(value)
+            except TypeError:
+                index = -1
+            if index < 0 or isinstance(value, bool):
+                raise StoreError(
+                    f"FeatureWriter needs a non-negative integer dataset index for every "
+                    f"sample, but batch {batch_idx} of dataloader {dataloader_idx} has "
+                    f"{value!r}; use a sampler that yields dataset positions"
+                )
+            padding = repeated is not None and position < len(repeated) and repeated[position]
+            if index in seen or index in fresh or padding:
+                continue
+            keep[position] = index
+            fresh.add(index)
+        return keep

@@ -4,15 +4,25 @@ In predict, Lightning records the indices it draws (``_IndexBatchSamplerWrapper`
 validation and test it does not; there they are rebuilt by walking a second iterator over
 the loader's batch sampler, which is only sound when the sampler is deterministic: a
 ``SequentialSampler``, or the unshuffled ``DistributedSampler`` Lightning injects under DDP.
+
+Which samples are padding comes from the same samplers. A ``DistributedSampler`` with
+``drop_last=False`` (Lightning's choice for validation and test under DDP) pads its index
+list by repeating its first indices until every process gets ``ceil(N / W)`` samples: the
+``k``-th sample of process ``r`` is position ``r + k * W`` of the padded list, padding when
+that position is ``>= N``. In predict Lightning uses an ``UnrepeatedDistributedSampler``,
+which never pads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from typing import Any, TypeGuard
 
 import lightning.pytorch as pl
-from lightning.pytorch.overrides.distributed import _IndexBatchSamplerWrapper
+from lightning.pytorch.overrides.distributed import (
+    UnrepeatedDistributedSampler,
+    _IndexBatchSamplerWrapper,
+)
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
@@ -40,6 +50,29 @@ def _is_deterministic(batch_sampler: Any) -> TypeGuard[BatchSampler]:
     )
 
 
+class _Padding:
+    """Which positions of a sampler's output repeat a sample drawn elsewhere."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.known = isinstance(sampler, (SequentialSampler, UnrepeatedDistributedSampler))
+        self.offset, self.step, self.first_padded = 0, 1, -1  # -1: no padding
+        if type(sampler) is DistributedSampler and isinstance(sampler.dataset, Sized):
+            self.known = True
+            if not sampler.drop_last:
+                self.offset, self.step = sampler.rank, sampler.num_replicas
+                self.first_padded = len(sampler.dataset)
+
+    def of(self, start: int, size: int) -> tuple[bool, ...] | None:
+        """For the samples at positions ``start .. start + size - 1`` of the sampler's output."""
+        if not self.known:
+            return None
+        if self.first_padded < 0:
+            return (False,) * size
+        return tuple(
+            self.offset + (start + k) * self.step >= self.first_padded for k in range(size)
+        )
+
+
 class BatchIndexer:
     """Answers "which dataset indices are in batch ``batch_idx``?" during one loop.
 
@@ -49,27 +82,51 @@ class BatchIndexer:
     def __init__(self, stage: str) -> None:
         self.stage = stage
         self._walkers: dict[int, _Walker | None] = {}
+        self._starts: dict[int, list[int]] = {}  # predict: sampler position of each batch
+        self._repeated: dict[int, tuple[int, tuple[bool, ...] | None]] = {}
 
     def __call__(
         self, trainer: pl.Trainer, batch_idx: int, dataloader_idx: int
     ) -> tuple[int, ...] | None:
+        self._repeated.pop(dataloader_idx, None)
         loader = _loader(trainer, self.stage, dataloader_idx)
         batch_sampler = getattr(loader, "batch_sampler", None)
         if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
-            seen = batch_sampler.seen_batch_indices
-            return tuple(seen[batch_idx]) if batch_idx < len(seen) else None
+            return self._recorded(batch_sampler, batch_idx, dataloader_idx)
         if dataloader_idx not in self._walkers:
             walker = _Walker(batch_sampler) if _is_deterministic(batch_sampler) else None
             self._walkers[dataloader_idx] = walker
         walker = self._walkers[dataloader_idx]
-        return walker.batch(batch_idx) if walker is not None else None
+        if walker is None:
+            return None
+        found = walker.batch(batch_idx)
+        if found is not None:
+            start, indices = found
+            self._repeated[dataloader_idx] = (batch_idx, walker.padding.of(start, len(indices)))
+            return indices
+        return None
+
+    def _recorded(
+        self, batch_sampler: _IndexBatchSamplerWrapper, batch_idx: int, dataloader_idx: int
+    ) -> tuple[int, ...] | None:
+        seen = batch_sampler.seen_batch_indices
+        if batch_idx >= len(seen):
+            return None
+        starts = self._starts.setdefault(dataloader_idx, [0])
+        while len(starts) <= batch_idx:
+            starts.append(starts[-1] + len(seen[len(starts) - 1]))
+        padding = _Padding(getattr(batch_sampler, "sampler", None))
+        indices = tuple(seen[batch_idx])
+        self._repeated[dataloader_idx] = (batch_idx, padding.of(starts[batch_idx], len(indices)))
+        return indices
 
     def repeated(self, batch_idx: int, dataloader_idx: int) -> tuple[bool, ...] | None:
         """For the batch last asked for: which samples repeat one seen elsewhere (padding).
 
         ``None`` where unknown. Called right after :meth:`__call__` for the same batch.
         """
-        return None
+        last = self._repeated.get(dataloader_idx)
+        return last[1] if last is not None and last[0] == batch_idx else None
 
 
 class _Walker:
@@ -78,12 +135,18 @@ class _Walker:
     def __init__(self, batch_sampler: BatchSampler) -> None:
         self._batches: Iterator[list[int]] = iter(batch_sampler)
         self._next = 0
+        self._position = 0  # sampler position of the next batch's first sample
+        self.padding = _Padding(batch_sampler.sampler)
 
-    def batch(self, batch_idx: int) -> tuple[int, ...] | None:
+    def batch(self, batch_idx: int) -> tuple[int, tuple[int, ...]] | None:
+        """The sampler position of the batch's first sample, and its indices."""
         if batch_idx < self._next:
             return None
         found: list[int] | None = None
+        start = self._position
         while self._next <= batch_idx:
             found = next(self._batches, None)
             self._next += 1
-        return tuple(found) if found is not None else None
+            start = self._position
+            self._position += len(found) if found is not None else 0
+        return (start, tuple(found)) if found is not None else None

@@ -14,7 +14,7 @@ import torch
 from torchmetrics import Metric
 
 from lightning_iocatch.keys import flatten_captures, flatten_value
-from lightning_iocatch.probes import _gather_objects, usable
+from lightning_iocatch.probes.base import _gather_objects, usable
 from lightning_iocatch.sinks import BatchCaptures, CaptureSink
 
 if TYPE_CHECKING:

@@ -37,7 +37,8 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_iocatch import IOCaptureCallback
-from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe, _unit_hash
+from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe
+from lightning_iocatch.probes.linear import _unit_hash
 from tests.lightning_models import TinyModule, loader
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_iocatch import BatchCaptures, CaptureSink, IOCaptureCallback
 from lightning_iocatch.keys import flatten_captures
-from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe, _unit_hash
+from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe
+from lightning_iocatch.probes.linear import _unit_hash
 from tests.lightning_models import trainer
 from tests.test_probes import numpy_batch_stats, numpy_cka
 

@@ -1,4 +1,4 @@
-"""probes.py: every statistic against NumPy/scikit-learn, and probes through a real Trainer."""
+"""The probe metrics against NumPy/scikit-learn, and probes through a real Trainer."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_iocatch import IOCaptureCallback
-from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe, _unit_hash
+from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe
+from lightning_iocatch.probes.linear import _unit_hash
 from tests.lightning_models import TinyModule, dataset, loader, manual_outputs, trainer
 
 

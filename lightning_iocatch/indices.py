@@ -1,5 +1,11 @@
 """The dataset index of every sample of a batch, where Lightning knows or can rebuild it.
 
+This is the one module that reads Lightning's private internals (the loops' combined
+loaders, ``_IndexBatchSamplerWrapper.seen_batch_indices``); ``tests/test_indices.py``
+fails loudly when a Lightning release moves them. Lightning's public route to the
+indices, ``trainer.predict_loop.current_batch_indices``, is filled only for callbacks
+that are ``BasePredictionWriter``s, and validation and test have none.
+
 In predict, Lightning records the indices it draws (``_IndexBatchSamplerWrapper``). In
 validation and test it does not; there they are rebuilt by walking a second iterator over
 the loader's batch sampler, which is only sound when the sampler is deterministic: a
@@ -26,7 +32,7 @@ from lightning.pytorch.overrides.distributed import (
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
-__all__ = ["BatchIndexer"]
+__all__ = ["BatchIndexer", "missing_indices_reason"]
 
 
 def _loader(trainer: pl.Trainer, stage: str, dataloader_idx: int) -> Any:
@@ -39,6 +45,30 @@ def _loader(trainer: pl.Trainer, stage: str, dataloader_idx: int) -> Any:
     if combined is None or dataloader_idx >= len(combined.flattened):
         return None
     return combined.flattened[dataloader_idx]
+
+
+def missing_indices_reason(trainer: pl.Trainer, stage: str) -> str | None:
+    """Why some dataloader of ``stage``'s loop will give no dataset indices, or ``None``.
+
+    Call it when the loop starts (its dataloaders are set up then).
+    """
+    loop_loaders = []  # none outside a running loop: nothing to say then
+    while (loader := _loader(trainer, stage, len(loop_loaders))) is not None:
+        loop_loaders.append(loader)
+    for dataloader_idx, loader in enumerate(loop_loaders):
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if isinstance(batch_sampler, _IndexBatchSamplerWrapper) or _is_deterministic(batch_sampler):
+            continue
+        what = type(getattr(loader, "dataset", loader)).__name__
+        return (
+            f"the {stage} dataloader {dataloader_idx} ({type(loader).__name__} over {what}) "
+            "gives no dataset indices: its batches come from an IterableDataset, a "
+            "shuffling sampler, or a batch sampler Lightning cannot wrap. Use a map-style "
+            "Dataset in a DataLoader with `batch_size=` (or a batch sampler Lightning can "
+            "re-create), or, to keep captures without indices, use `keep_in_memory=True` "
+            "or a sink of your own"
+        )
+    return None
 
 
 def _is_deterministic(batch_sampler: Any) -> TypeGuard[BatchSampler]:

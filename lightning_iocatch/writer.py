@@ -21,6 +21,7 @@ import torch
 
 from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import CaptureError, StoreError
+from lightning_iocatch.indices import missing_indices_reason
 from lightning_iocatch.keys import flatten_captures
 from lightning_iocatch.shard_file import STORABLE_DTYPES
 from lightning_iocatch.shard_writer import ShardWriter
@@ -139,6 +140,9 @@ class FeatureWriter(CaptureSink):
     def on_loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == self.stage:
             self._end(abort=True)  # a loop that never reached its end leaves nothing running
+            reason = missing_indices_reason(trainer, stage)
+            if reason is not None:
+                raise StoreError(f"FeatureWriter stores rows by dataset index, but {reason}")
             self._core = ShardWriter(
                 self.path,
                 rank=trainer.global_rank,

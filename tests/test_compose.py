@@ -167,3 +167,17 @@ def test_a_resumed_callback_that_skips_does_not_keep_the_batch_another_computes(
     trainer([skipping, computing]).predict(module, loader(10, 5))
     assert skipping.captures["predict"] == {}  # nothing carried into a later batch
     assert len(computing.captures["predict"][0]["model.layers.0"]["outputs"]) == 2
+
+
+def test_a_users_catcher_session_and_an_early_exit_callback_compose() -> None:
+    module = TinyModule()
+    early = IOCaptureCallback("outputs[model.layers.0]", early_exit=True)
+    with ModelIOCatcher(module, "cpu").from_spec("outputs[model.layers.2]") as mine:
+        trainer([early]).predict(module, loader(10, 5))
+    x = loader(10, 5).dataset.tensors[0]
+    expected = manual_outputs(module, x)
+    # the user's session has no early exit, so every forward ran whole
+    assert torch.equal(torch.cat(mine["model.layers.2"]["outputs"]), expected[2])
+    got = torch.cat(early.captures["predict"][0]["model.layers.0"]["outputs"])
+    assert torch.equal(got, expected[0])
+    assert "predict_step" not in vars(module) and hook_count(module) == 0

@@ -73,9 +73,13 @@ class CaptureBuffer(Mapping[str, Entries]):
 
     def settle(self) -> None:
         """Wait for every asynchronous copy and make the values readable, in capture order."""
-        events, self._events = self._events, []
-        for event in events:  # oldest first, the order the copies were enqueued
-            event.synchronize()
+        done = 0
+        try:
+            for event in self._events:  # oldest first, the order the copies were enqueued
+                event.synchronize()
+                done += 1
+        finally:  # one that raised stays, with all after it: their values stay unread
+            del self._events[:done]
         waiting, self._waiting = self._waiting, []
         for name, kind, value in waiting:
             self._data[name][kind].append(value)

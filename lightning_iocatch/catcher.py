@@ -21,8 +21,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_iocatch.buffer import CaptureBuffer, Kind, Pending
+from lightning_iocatch.checks import check_int, parse_device, parse_dtype
 from lightning_iocatch.compiled import prepare_for_hooks
-from lightning_iocatch.coordinator import ForwardCoordinator
+from lightning_iocatch.coordinator import COORDINATOR, ForwardCoordinator
 from lightning_iocatch.errors import CaptureError
 from lightning_iocatch.spec import WRAPPER_COMPONENTS, CaptureSpec, canonical_name, resolve_names
 from lightning_iocatch.transfer import CaptureTransfer
@@ -76,6 +77,11 @@ class CaptureSession:
         self._handles: list[RemovableHandle] = []
 
     @property
+    def root(self) -> nn.Module:
+        """The model of this session's catcher, under any wrapper."""
+        return self.catcher.root
+
+    @property
     def is_open(self) -> bool:
         """True while this session's hooks are registered."""
         return self.catcher._session is self
@@ -94,7 +100,7 @@ class CaptureSession:
             )
         prepare_for_hooks(self.catcher.model, self.modules)
         self.catcher._session = self
-        self.catcher.coordinator.sessions.append(self)
+        self.catcher.coordinator.open(self)
         self._pending = set(self._targets)
         try:
             for name in self.inputs:
@@ -120,9 +126,7 @@ class CaptureSession:
             handle.remove()
         if self.catcher._session is self:
             self.catcher._session = None
-        sessions = self.catcher.coordinator.sessions
-        if self in sessions:
-            sessions.remove(self)
+        self.catcher.coordinator.close(self)
         self.buffer.settle()
 
     def take(self) -> CaptureBuffer:
@@ -154,7 +158,7 @@ class CaptureSession:
 
     def _record(self, name: str, kind: Kind, value: Any, events: Sequence[Pending]) -> None:
         coordinator = self.catcher.coordinator
-        if self.early_exit and coordinator.run_depth == 0:
+        if self.early_exit and not coordinator.in_forward:
             raise CaptureError(
                 "this session has early_exit=True, so forwards must go through "
                 "`catcher.run(*args, **kwargs)` (or `catcher.call(fn, ...)`), which absorbs the "
@@ -166,11 +170,11 @@ class CaptureSession:
         if self.early_exit:
             self._pending.discard((name, kind))
             if not self._pending:
-                coordinator.maybe_stop()
+                coordinator.maybe_stop(self)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    """The module under every wrapper (compiled, FSDP, checkpoint): one coordinator for all."""
+    """The module under every wrapper (compiled, FSDP, checkpoint)."""
     for component in WRAPPER_COMPONENTS:
         inner = getattr(model, component, None)
         if isinstance(inner, nn.Module):
@@ -238,6 +242,10 @@ class ModelIOCatcher:
     module) counts as captured at its first call, so under early exit later calls are
     not captured; without early exit every call adds an entry.
 
+    Global state: when a session opens on a model with ``torch.compile``d parts, Dynamo's
+    process-wide ``skip_nnmodule_hook_guards`` is turned off (so compiled code notices the
+    hooks) and code compiled before is dropped once, for every model of the process.
+
     Sessions of several catchers may be open on one model at once; each captures exactly
     what it would capture alone, and a forward stops early only once every open session
     has early exit and is done (see :class:`ForwardCoordinator`).
@@ -259,20 +267,20 @@ class ModelIOCatcher:
         model: nn.Module,
         device: torch.device | str | None,
         *,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         pinned_memory_bytes: int = 256 << 20,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
-        if dtype is not None and not dtype.is_floating_point:
-            raise ValueError(f"`dtype` must be a floating-point dtype or None, got {dtype}")
         self.model = model
-        self.device = torch.device(device) if device is not None else None
-        self.dtype = dtype
-        self.transfer = CaptureTransfer(self.device, dtype, pinned_bytes=pinned_memory_bytes)
+        self.device = parse_device("device", device)
+        self.dtype = parse_dtype("dtype", dtype)
+        pinned = check_int("pinned_memory_bytes", pinned_memory_bytes, minimum=0)
+        self.transfer = CaptureTransfer(self.device, self.dtype, pinned_bytes=pinned)
         self._session: CaptureSession | None = None
         self._requested: CaptureSession | None = None
-        self.coordinator = ForwardCoordinator.of(_unwrapped(model))
+        self.coordinator: ForwardCoordinator = COORDINATOR
+        self.root = _unwrapped(model)  # the module whose forwards `run` drives
 
     @property
     def module_names(self) -> list[str]:
@@ -333,7 +341,7 @@ class ModelIOCatcher:
         behaviour; it warns once per call site.
         """
         warnings.warn(
-            "`ModelIOCatcher.from_spec(spec)` is renamed `from_spec(spec, early_exit=...)`; "
+            "`ModelIOCatcher.for_product(spec)` is renamed `from_spec(spec, early_exit=...)`; "
             "note that `from_spec` defaults to early_exit=False like `catcher(...)`",
             DeprecationWarning,
             stacklevel=2,
@@ -352,7 +360,7 @@ class ModelIOCatcher:
         """Like :meth:`run`, for any callable that runs the model (e.g. a ``predict_step``)."""
         if not self.coordinator.sessions:
             return fn(*args, **kwargs)
-        return self.coordinator.call(fn, *args, **kwargs)[0]
+        return self.coordinator.call(self.root, fn, *args, **kwargs)[0]
 
     def attach_hooks(self) -> CaptureBuffer:
         """Open the most recently requested session without a ``with`` block.

@@ -1,9 +1,12 @@
-"""ForwardCoordinator: the open capture sessions on one model, and where forwards stop.
+"""ForwardCoordinator: the open capture sessions of the process, and where forwards stop.
 
-Several sessions may be open on one model at once (one per catcher, e.g. two
-``IOCaptureCallback``s): they share the model's coordinator, which lets a forward stop
-early only once every open session on the model has early exit and has captured
-everything it asked for. One session without early exit keeps forwards whole.
+Several sessions may be open at once: on one model (two ``IOCaptureCallback``s), or on
+a model and one of its submodules (a callback on the LightningModule and a user's
+``ModelIOCatcher(self.model, ...)``). A forward run through :meth:`ForwardCoordinator.call`
+involves every open session whose model shares modules with the model it runs (one is
+inside the other), and stops early only once every involved session has ``early_exit``
+and has captured all it asked for; one involved session without early exit keeps the
+forward whole. Sessions on unrelated models are not involved.
 """
 
 from __future__ import annotations
@@ -11,71 +14,98 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 if TYPE_CHECKING:
     from lightning_iocatch.catcher import CaptureSession
 
-__all__ = ["ForwardCoordinator", "StopForward"]
+__all__ = ["COORDINATOR", "ForwardCoordinator", "StopForward"]
+
+
+@dataclass(eq=False)
+class _Frame:
+    """One forward in progress through :meth:`ForwardCoordinator.call`."""
+
+    involved: list[CaptureSession]
+    stop_sent: bool = field(default=False)
 
 
 class StopForward(BaseException):
-    """The early-exit signal, caught only by its coordinator. A ``BaseException`` so that
-    ``except Exception`` in model code cannot eat it."""
+    """The early-exit signal, caught only by the call that started its forward.
 
-    def __init__(self, coordinator: ForwardCoordinator) -> None:
-        super().__init__("early exit: every open session has its captures")
-        self.coordinator = coordinator
+    A ``BaseException`` so that ``except Exception`` in model code cannot eat it.
+    """
+
+    def __init__(self, frame: _Frame) -> None:
+        super().__init__("early exit: every involved session has its captures")
+        self.frame = frame
 
 
 class ForwardCoordinator:
-    """The open capture sessions on one model, and the one place that stops its forwards.
-
-    There is one per model (:meth:`of`). Forwards that may stop early go through
-    :meth:`call`; a forward stops once every open session has ``early_exit`` and has
-    captured all it asked for in this forward.
-    """
-
-    _by_model: ClassVar[weakref.WeakKeyDictionary[nn.Module, ForwardCoordinator]] = (
-        weakref.WeakKeyDictionary()
-    )
+    """The open sessions, and the one place that stops forwards early (:data:`COORDINATOR`)."""
 
     def __init__(self) -> None:
         self.sessions: list[CaptureSession] = []
-        self.run_depth = 0
-        self._stop_sent = False
+        self._frames: list[_Frame] = []
+        self._trees: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    @classmethod
-    def of(cls, model: nn.Module) -> ForwardCoordinator:
-        """The coordinator of ``model`` (created on first use)."""
-        if model not in cls._by_model:
-            cls._by_model[model] = cls()
-        return cls._by_model[model]
+    @property
+    def in_forward(self) -> bool:
+        """True while a forward runs through :meth:`call` (early exit can be absorbed)."""
+        return bool(self._frames)
 
-    def maybe_stop(self) -> None:
-        """Stop the forward if every open session is done with it (called by the hooks)."""
-        if self.run_depth and all(s.early_exit and s.done for s in self.sessions):
-            self._stop_sent = True
-            raise StopForward(self)
+    def open(self, session: CaptureSession) -> None:
+        self._trees.clear()  # modules may have been added since: recompute on demand
+        self.sessions.append(session)
 
-    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
-        """``(fn(*args, **kwargs), False)``, or ``(None, True)`` when early exit cut it short."""
-        for session in self.sessions:
+    def close(self, session: CaptureSession) -> None:
+        if session in self.sessions:
+            self.sessions.remove(session)
+
+    def tree(self, model: nn.Module) -> frozenset[int]:
+        """The ids of ``model`` and every module inside it (cached until a session opens)."""
+        if model not in self._trees:
+            self._trees[model] = frozenset(id(module) for module in model.modules())
+        return self._trees[model]
+
+    def _involved(self, model: nn.Module) -> list[CaptureSession]:
+        running = self.tree(model)
+        return [s for s in self.sessions if id(s.root) in running or id(model) in self.tree(s.root)]
+
+    def maybe_stop(self, session: CaptureSession) -> None:
+        """Stop the forward if every session it involves is done (called by the hooks)."""
+        if not self._frames:
+            return
+        frame = self._frames[-1]
+        if session in frame.involved and all(s.early_exit and s.done for s in frame.involved):
+            frame.stop_sent = True
+            raise StopForward(frame)
+
+    def call(
+        self, model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> tuple[Any, bool]:
+        """``(fn(*args, **kwargs), False)``, or ``(None, True)`` when early exit cut it short.
+
+        ``model`` is the module ``fn`` runs: it decides which open sessions are involved.
+        """
+        frame = _Frame(self._involved(model))
+        for session in frame.involved:
             session._begin_forward()
-        self._stop_sent = False
-        self.run_depth += 1
+        self._frames.append(frame)
         try:
             result = fn(*args, **kwargs)
         except StopForward as stop:
-            if stop.coordinator is not self:
+            if stop.frame is not frame:
                 raise
             return None, True
         finally:
-            self.run_depth -= 1
-        if self._stop_sent:
-            self._stop_sent = False
+            self._frames.remove(frame)
+        if frame.stop_sent:
             warnings.warn(
                 "the model swallowed the early-exit signal (a bare `except:` or `except "
                 "BaseException:` in its forward), so the whole forward ran",
@@ -83,3 +113,7 @@ class ForwardCoordinator:
                 stacklevel=3,
             )
         return result, False
+
+
+COORDINATOR = ForwardCoordinator()
+"""The process's coordinator: every catcher and callback goes through it."""

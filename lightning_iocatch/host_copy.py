@@ -22,11 +22,15 @@ events (``wait_stream``/``wait_event``). For each captured tensor, inside the ho
    (:meth:`~lightning_iocatch.pinned_ring.StagedCopy.synchronize`); the capture buffer
    calls that before any read, and the ring calls it before reusing the region.
 
-Bounds: page-locked memory is the ring's ``capacity`` (``pinned_memory_bytes``), fixed.
+Bounds, per catcher (each ``ModelIOCatcher`` and ``IOCaptureCallback`` has its own
+ring): page-locked memory is the ring's ``capacity`` (``pinned_memory_bytes``), fixed.
 Snapshots live on the GPU only while their copy is in flight, and every copy in flight
-holds a region of the ring of at least the snapshot's size, so the GPU memory held by
-snapshots is at most ``pinned_memory_bytes`` too. A tensor larger than the whole ring is
-copied synchronously (``.to("cpu")``), which is ordered on the current stream as well.
+holds a region of the ring of at least the snapshot's size; the snapshot of the capture
+being staged exists while the ring makes room for it, so the GPU memory held by
+snapshots is at most ``pinned_memory_bytes`` plus the largest single capture. A tensor
+larger than the whole ring, or not dense (sparse, nested, quantized), is copied
+synchronously (``.to("cpu")``), which is ordered on the current stream as well. A copy
+that fails before it starts (out of memory, Ctrl-C) gives its region back.
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ class CudaOps:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def snapshot(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A private copy on the current stream (step 1)."""
-        return tensor.detach().to(dtype=dtype, copy=True)
+        """A private, contiguous copy on the current stream (step 1)."""
+        return tensor.detach().to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
     def copy_to_host(self, staging: torch.Tensor, snapshot: torch.Tensor) -> Any:
         """Enqueue ``staging.copy_(snapshot)`` on the side stream (steps 2-3); its event."""
@@ -84,15 +88,26 @@ class HostCopier:
         self.ring = PinnedRing(capacity, allocate=self.ops.pinned)
 
     def accepts(self, tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Whether ``tensor`` (cast to ``dtype``) takes the asynchronous path."""
-        return self.ops.is_source(tensor) and self.ring.fits(tensor.numel() * dtype.itemsize)
+        """Whether ``tensor`` (cast to ``dtype``) takes the asynchronous path: a dense
+        (strided, not nested or quantized) device tensor that fits the ring."""
+        return (
+            self.ops.is_source(tensor)
+            and tensor.layout == torch.strided
+            and not tensor.is_nested
+            and not tensor.is_quantized
+            and self.ring.fits(tensor.numel() * dtype.itemsize)
+        )
 
     def copy(
         self, tensor: torch.Tensor, dtype: torch.dtype, pending: list[StagedCopy]
     ) -> torch.Tensor:
         snapshot = self.ops.snapshot(tensor, dtype)  # before anything can wait: step 1 first
         staged, staging = self.ring.stage(tensor.shape, dtype)
-        destination = torch.empty(tensor.shape, dtype=dtype)
-        staged.start(staging, destination, self.ops.copy_to_host(staging, snapshot))
+        try:
+            destination = torch.empty(tensor.shape, dtype=dtype)
+            staged.start(staging, destination, self.ops.copy_to_host(staging, snapshot))
+        except BaseException:
+            self.ring.cancel(staged)  # the region is free again; nothing waits on it
+            raise
         pending.append(staged)
         return destination

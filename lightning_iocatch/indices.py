@@ -52,7 +52,7 @@ def missing_indices_reason(trainer: pl.Trainer, stage: str) -> str | None:
 
     Call it when the loop starts (its dataloaders are set up then).
     """
-    loop_loaders = []  # none outside a running loop: nothing to say then
+    loop_loaders: list[Any] = []  # none outside a running loop: nothing to say then
     while (loader := _loader(trainer, stage, len(loop_loaders))) is not None:
         loop_loaders.append(loader)
     for dataloader_idx, loader in enumerate(loop_loaders):

@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store_files import (
@@ -59,7 +56,6 @@ __all__ = [
     "file_crc32",
     "read_ledger_entries",
     "read_ledgers",
-    "shard_crc32",
 ]
 
 RECORD_CHECKSUM = "record_crc32"
@@ -349,31 +345,6 @@ def drop_torn_tail(path: Path) -> None:
 
 
 # Checksums of shards
-
-
-def shard_crc32(path: Path, tensors: dict[str, torch.Tensor]) -> int:
-    """CRC-32 of a safetensors file just written from ``tensors``, without reading its data.
-
-    The header comes from the file; the data bytes from the tensors in memory, in the
-    file's order. Equal to :func:`file_crc32` of the file (which reads it all back).
-    """
-    with open(path, "rb") as handle:
-        head = handle.read(8)
-        header_bytes = handle.read(struct.unpack("<Q", head)[0])
-    header = json.loads(header_bytes)
-    crc = zlib.crc32(header_bytes, zlib.crc32(head))
-    position = 0
-    for name, info in sorted(
-        ((name, info) for name, info in header.items() if name != "__metadata__"),
-        key=lambda item: item[1]["data_offsets"][0],
-    ):
-        begin, end = info["data_offsets"]
-        if begin != position:  # not back to back: read the file instead
-            return file_crc32(path)
-        raw = tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy()
-        crc = zlib.crc32(raw.data, crc)
-        position = end
-    return crc
 
 
 def file_crc32(path: Path, chunk: int = 16 << 20) -> int:

@@ -24,10 +24,6 @@ class _Event(Protocol):
     def synchronize(self) -> None: ...
 
 
-def _pinned_bytes(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
 class StagedCopy:
     """One copy through the ring: ``staging`` (a view of the ring) fills asynchronously.
 
@@ -58,14 +54,16 @@ class StagedCopy:
             self.destination.copy_(self.staging)
             self.staging = None
             self.done = True
+            self.ring.in_flight_bytes -= self.nbytes
             self.ring._drop_finished()
 
 
 class PinnedRing:
     """``capacity`` bytes of pinned memory, handed out in ring order to copies in flight.
 
-    ``allocate(nbytes)`` makes the buffer (page-locked host memory by default; tests pass
-    ordinary memory). Regions start at multiples of ``align`` bytes. Thread-safe.
+    ``allocate(nbytes)`` makes the buffer (:meth:`~lightning_iocatch.host_copy.CudaOps.pinned`
+    allocates page-locked host memory; tests pass ordinary memory). Regions start at
+    multiples of ``align`` bytes. Thread-safe.
 
     Example:
         >>> ring = PinnedRing(1024, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
@@ -85,7 +83,7 @@ class PinnedRing:
         capacity: int,
         *,
         align: int = 256,
-        allocate: Callable[[int], torch.Tensor] = _pinned_bytes,
+        allocate: Callable[[int], torch.Tensor],
     ) -> None:
         if capacity <= 0 or align <= 0:
             raise ValueError("`capacity` and `align` must be > 0")
@@ -96,13 +94,8 @@ class PinnedRing:
         self._head = 0  # where the next region starts, if it fits
         self._lock = threading.RLock()
         self.waits = 0  # times a copy had to wait for the oldest one in flight
+        self.in_flight_bytes = 0  # held by copies not yet moved to ordinary memory
         self.peak_in_flight = 0
-
-    @property
-    def in_flight_bytes(self) -> int:
-        """Bytes of the ring held by copies not yet moved to ordinary memory."""
-        with self._lock:
-            return sum(copy.nbytes for copy in self._fifo if not copy.done)
 
     def fits(self, nbytes: int) -> bool:
         """Whether a copy of ``nbytes`` can ever go through the ring."""
@@ -128,6 +121,7 @@ class PinnedRing:
             copy = StagedCopy(self, offset, nbytes)
             self._fifo.append(copy)
             self._head = offset + self._rounded(nbytes)
+            self.in_flight_bytes += nbytes
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight_bytes)
             view = self._buffer[offset : offset + nbytes].view(dtype).view(shape)
             return copy, view
@@ -147,6 +141,14 @@ class PinnedRing:
                 return self._head
             return 0 if size <= tail else None
         return self._head if self._head + size <= tail else None  # free: [head, tail)
+
+    def cancel(self, copy: StagedCopy) -> None:
+        """Give back the region of a copy that failed before it was started."""
+        with self._lock:
+            if not copy.done and copy.event is None:
+                copy.done = True
+                self.in_flight_bytes -= copy.nbytes
+                self._drop_finished()
 
     def _drop_finished(self) -> None:
         while self._fifo and self._fifo[0].done:

@@ -1,7 +1,7 @@
 """One route for a LightningModule's ``predict_step`` while capture callbacks are armed.
 
 Early exit needs ``predict_step`` to run through the model's
-:class:`~lightning_iocatch.catcher.ForwardCoordinator`, which absorbs the stop signal.
+:class:`~lightning_iocatch.coordinator.ForwardCoordinator`, which absorbs the stop signal.
 While a callback with early exit is armed, the step returns the captures of the armed
 callbacks that have early exit (the forward may have stopped, so there is no output).
 However many ``IOCaptureCallback``s arm the predict loop, the module's ``predict_step``
@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_iocatch.buffer import CaptureBuffer
-from lightning_iocatch.catcher import CaptureSession, ForwardCoordinator
+from lightning_iocatch.catcher import CaptureSession, ModelIOCatcher
 
 __all__ = ["PredictMember", "join_predict_route", "leave_predict_route"]
 
@@ -35,7 +35,7 @@ class PredictMember:
 
 
 class _PredictRoute:
-    def __init__(self, pl_module: pl.LightningModule, coordinator: ForwardCoordinator) -> None:
+    def __init__(self, pl_module: pl.LightningModule, catcher: ModelIOCatcher) -> None:
         self.members: list[PredictMember] = []
         self._module = weakref.ref(pl_module)
         self._own = vars(pl_module).get("predict_step", _MISSING)
@@ -45,7 +45,7 @@ class _PredictRoute:
             members = list(self.members)
             if members and all(member.skips_batch() for member in members):
                 return None  # every armed callback has this batch already
-            result, _ = coordinator.call(original, *args, **kwargs)
+            result, _ = catcher.coordinator.call(catcher.root, original, *args, **kwargs)
             early = [member.session.buffer for member in members if member.session.early_exit]
             return _merged(early) if early else result
 
@@ -80,7 +80,7 @@ def join_predict_route(pl_module: pl.LightningModule, member: PredictMember) -> 
     """Route ``pl_module.predict_step`` through its coordinator while ``member`` is armed."""
     route = _routes.get(pl_module)
     if route is None:
-        route = _routes[pl_module] = _PredictRoute(pl_module, member.session.catcher.coordinator)
+        route = _routes[pl_module] = _PredictRoute(pl_module, member.session.catcher)
     if member not in route.members:
         route.members.append(member)
 

@@ -76,14 +76,6 @@ def _serialize(
     )
 
 
-def _unpin(batch: SelectedBatch) -> None:
-    """Move pinned captures to ordinary memory, so the capture's pinned budget is freed now
-    rather than when the shard is written (the copy runs on the writer thread)."""
-    for key, tensor in batch.tensors.items():
-        if tensor.is_pinned():
-            batch.tensors[key] = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
-
-
 def _shapes(batches: list[SelectedBatch]) -> dict[str, list[int] | None]:
     """Per key: the shape of a row (of the whole tensor for per-batch keys); ``None`` where
     batches differ."""
@@ -275,7 +267,6 @@ class ShardWriter:
                     break
                 if self._cancel.is_set() or not isinstance(item, SelectedBatch):
                     continue
-                _unpin(item)
                 if pending and self._dtype_changes(pending, item):
                     self._write_shard(pending)
                     pending, size = [], 0

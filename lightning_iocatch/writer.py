@@ -62,8 +62,9 @@ class FeatureWriter(CaptureSink):
         durable: fsync every shard before it is renamed and recorded, so a committed shard
             survives a machine crash. ``False`` keeps the atomic rename and the ledger (a
             killed process still loses nothing committed) but leaves flushing to the OS.
-        stage: the loop whose captures are written (one of ``"validate"``, ``"test"``,
-            ``"predict"``); others are ignored.
+        stage: the loop whose captures are written: ``"predict"``, the one loop a dump
+            runs once over the data (a validation loop runs every epoch, so its dump
+            would be rewritten or refused each time: capture it with a sink of your own).
 
     Memory: the writer holds at most one shard (``max_shard_bytes`` plus the batch that
     fills it) and ``queue_size + 1`` more batches, whatever the speed of the disk.
@@ -110,8 +111,11 @@ class FeatureWriter(CaptureSink):
             raise TypeError(f"`path` must be a str or os.PathLike, got {type(path).__name__}")
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
-        if stage not in STAGES:
-            raise ValueError(f"`stage` must be one of {STAGES}, got {stage!r}")
+        if stage != "predict":
+            raise ValueError(
+                f"`stage` must be 'predict' (FeatureWriter dumps the predict loop, which runs "
+                f"once over the data; {STAGES} are the loops), got {stage!r}"
+            )
         self.path = Path(path)
         self.mode = mode
         self.max_shard_bytes = check_int("max_shard_bytes", max_shard_bytes, minimum=1)

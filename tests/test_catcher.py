@@ -295,6 +295,27 @@ def test_dtype_option_casts_captures(blocks: Blocks) -> None:
     assert buf["layers.0"]["outputs"][0].dtype == torch.float16
     with pytest.raises(ValueError, match="floating-point"):
         ModelIOCatcher(blocks, "cpu", dtype=torch.int8)
+    with ModelIOCatcher(blocks, "cpu", dtype="bfloat16")(outputs=["layers.0"]) as buf:
+        blocks(torch.randn(1, 8))
+    assert buf["layers.0"]["outputs"][0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"device": "cpux"}, ValueError, "`device` 'cpux' is not a device name"),
+        ({"device": 3}, TypeError, "`device` must be a torch.device"),
+        ({"dtype": "half-ish"}, ValueError, "`dtype` must be a floating-point"),
+        ({"pinned_memory_bytes": -1}, ValueError, "`pinned_memory_bytes` must be >= 0"),
+        ({"pinned_memory_bytes": 1.5}, TypeError, "`pinned_memory_bytes` must be an int"),
+    ],
+)
+def test_bad_catcher_arguments_name_the_argument(
+    blocks: Blocks, kwargs: dict, error: type, message: str
+) -> None:
+    options = {"device": "cpu", **kwargs}
+    with pytest.raises(error, match=message):
+        ModelIOCatcher(blocks, **options)
 
 
 def test_take_starts_a_fresh_buffer(blocks: Blocks) -> None:

@@ -181,3 +181,43 @@ def test_a_users_catcher_session_and_an_early_exit_callback_compose() -> None:
     got = torch.cat(early.captures["predict"][0]["model.layers.0"]["outputs"])
     assert torch.equal(got, expected[0])
     assert "predict_step" not in vars(module) and hook_count(module) == 0
+
+
+def test_sessions_on_a_model_and_on_its_submodule_are_involved_together() -> None:
+    torch.manual_seed(0)
+    inner = Blocks()
+    outer = nn.Sequential(inner, nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    expected = manual(inner, x)
+    whole = ModelIOCatcher(outer, "cpu")  # no early exit, on the enclosing model
+    early = ModelIOCatcher(inner, "cpu")  # early exit, on the submodule
+    with (
+        whole.from_spec("outputs[0.layers.3]") as kept,
+        early.from_spec("outputs[layers.0]", early_exit=True) as first,
+    ):
+        assert torch.equal(early.run(x), expected[3])  # not cut: `whole` needs layers.3
+    assert torch.equal(kept["0.layers.3"]["outputs"][0], expected[3])
+    assert torch.equal(first["layers.0"]["outputs"][0], expected[0])
+
+
+def test_a_callback_does_not_cut_short_a_users_session_on_its_inner_model() -> None:
+    module = TinyModule()
+    early = IOCaptureCallback("outputs[model.layers.0]", early_exit=True)
+    with ModelIOCatcher(module.model, "cpu").from_spec("outputs[layers.2]") as mine:
+        trainer([early]).predict(module, loader(10, 5))
+    x = loader(10, 5).dataset.tensors[0]
+    assert torch.equal(torch.cat(mine["layers.2"]["outputs"]), manual_outputs(module, x)[2])
+
+
+def test_sessions_on_unrelated_models_do_not_hold_each_other_back() -> None:
+    torch.manual_seed(0)
+    a, b = Blocks(), Blocks()
+    x = torch.randn(2, 8)
+    with (
+        ModelIOCatcher(a, "cpu").from_spec("outputs[layers.0]", early_exit=True),
+        ModelIOCatcher(b, "cpu").from_spec("outputs[layers.0]") as on_b,
+    ):
+        catcher_a = ModelIOCatcher(a, "cpu")
+        assert catcher_a.run(x) is None  # b's session is not involved in a's forward
+        b(x)
+    assert a.tail.calls == 0 and b.tail.calls == 1 and len(on_b["layers.0"]["outputs"]) == 1

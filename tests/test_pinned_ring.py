@@ -188,3 +188,37 @@ def test_live_regions_never_overlap_and_stay_inside_the_ring(steps: list[Any]) -
         assert ring.in_flight_bytes <= 1000
         if finish_one and len(live) > 1:
             live[len(live) // 2].synchronize()
+
+
+def test_a_copy_that_fails_before_it_starts_gives_its_region_back() -> None:
+    class Failing(FakeCudaOps):
+        fail = True
+
+        def copy_to_host(self, staging: torch.Tensor, snapshot: torch.Tensor) -> Any:
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return super().copy_to_host(staging, snapshot)
+
+    ops = Failing()
+    transfer = CaptureTransfer(torch.device("cpu"), pinned_bytes=512, ops=ops)  # 2 x 256
+    with pytest.raises(RuntimeError, match="simulated"):
+        transfer((torch.zeros(64),))
+    assert transfer.host is not None and transfer.host.ring.in_flight_bytes == 0
+    kept = []
+    for i in range(6):  # the ring must wrap past the failed region without waiting on it
+        (value,), pending = transfer((torch.full((64,), float(i)),))
+        kept.append((value, pending))
+    for _, pending in kept:
+        for staged in pending:
+            staged.synchronize()
+    assert [float(v[0]) for v, _ in kept] == [float(i) for i in range(6)]
+
+
+def test_tensors_that_are_not_dense_take_the_synchronous_path() -> None:
+    ops = FakeCudaOps()
+    transfer = CaptureTransfer(torch.device("cpu"), pinned_bytes=4096, ops=ops)
+    sparse = torch.eye(4).to_sparse()
+    (copied,), pending = transfer((sparse,))
+    assert pending == [] and ops.events == [] and copied.is_sparse
+    assert torch.equal(copied.to_dense(), torch.eye(4))

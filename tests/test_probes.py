@@ -426,3 +426,18 @@ def test_probes_with_two_validation_dataloaders_get_a_suffix() -> None:
         TinyModule(), [loader(8, 4), loader(8, 4, seed=3)], verbose=False
     )
     assert "iocatch/model.layers.0/outputs/mean/dataloader_idx_1" in results[1]
+
+
+def test_linear_probe_refuses_one_hot_targets_and_bad_options() -> None:
+    import pytest
+
+    x = torch.randn(6, 3)
+    one_hot = torch.nn.functional.one_hot(torch.arange(6) % 2, 2)
+    probe = LinearProbe(lambda batch: batch, num_classes=2)
+    with pytest.raises(ValueError, match="whole class ids of shape \\(6,\\).*argmax"):
+        probe.update(x, batch=one_hot, indices=list(range(6)))
+    for bad in ({"max_holdout": 0}, {"max_holdout": 2.5}, {"ridge": -1}, {"ridge": "x"}):
+        with pytest.raises(ValueError, match=f"`{next(iter(bad))}` must be"):
+            LinearProbe(lambda batch: batch, num_classes=2, **bad)
+    with pytest.raises(ValueError, match="`holdout_dtype` must be a floating"):
+        LinearProbe(lambda batch: batch, num_classes=2, holdout_dtype=torch.int8)

@@ -213,8 +213,9 @@ def test_dataset_indices_must_be_non_negative_integers(tmp_path: Path, index: ob
         ({"dtype": "float17"}, ValueError, "`dtype` must be a floating-point torch dtype"),
         ({"dtype": "float8_e8m0fnu"}, ValueError, "`dtype` 'float8_e8m0fnu' is a dtype safet"),
         ({"durable": "yes"}, TypeError, "`durable` must be True or False, got str"),
-        ({"stage": "train"}, ValueError, "`stage` must be one of \\('validate', 'test', 'pre"),
-        ({"stage": "Predict"}, ValueError, "`stage` must be one of"),
+        ({"stage": "train"}, ValueError, "`stage` must be 'predict'"),
+        ({"stage": "Predict"}, ValueError, "`stage` must be 'predict'"),
+        ({"stage": "validate"}, ValueError, "`stage` must be 'predict' .*runs once"),
     ],
 )
 def test_bad_feature_writer_arguments_name_the_argument(

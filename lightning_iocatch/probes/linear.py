@@ -68,8 +68,7 @@ class LinearProbe(_ProbeMetric):
         max_holdout: held-out samples scored: those with the smallest ``(score, index)``
             over all processes, the same ones whatever the number of processes. Held-out
             samples past the cap are neither scored nor trained on. A process keeps at
-            most ``2 * max_holdout`` pooled held-out rows; the rest are folded into
-            ``X^T X`` and ``X^T Y`` and dropped.
+            most ``2 * max_holdout`` pooled held-out rows.
         holdout_dtype: dtype of the kept held-out features (``torch.float16`` halves them).
         ridge: L2 penalty, relative to the mean diagonal of ``X^T X``.
         name: prefix of the reported value.
@@ -117,8 +116,14 @@ class LinearProbe(_ProbeMetric):
         _check_pool(pool)
         if not 0 < holdout < 1:
             raise ValueError(f"`holdout` must be a fraction in (0, 1), got {holdout}")
-        if max_holdout < 1 or ridge < 0:
-            raise ValueError("`max_holdout` must be >= 1 and `ridge` >= 0")
+        if isinstance(max_holdout, bool) or not isinstance(max_holdout, int) or max_holdout < 1:
+            raise ValueError(f"`max_holdout` must be an int >= 1, got {max_holdout!r}")
+        if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or ridge < 0:
+            raise ValueError(f"`ridge` must be a number >= 0, got {ridge!r}")
+        if not isinstance(holdout_dtype, torch.dtype) or not holdout_dtype.is_floating_point:
+            raise ValueError(
+                f"`holdout_dtype` must be a floating torch dtype, got {holdout_dtype!r}"
+            )
         self.target, self.task, self.num_classes = target, task, num_classes
         self.pool, self.holdout, self.max_holdout = pool, holdout, max_holdout
         self.holdout_dtype, self.ridge, self.name = holdout_dtype, ridge, name
@@ -163,6 +168,14 @@ class LinearProbe(_ProbeMetric):
         labels = torch.as_tensor(self.target(batch))
         if labels.dim() == 0 or labels.shape[0] != samples:
             raise ValueError(f"`target(batch)` gave {tuple(labels.shape)} for {samples} samples")
+        if self.task == "classification" and (
+            labels.dim() != 1 or not torch.equal(labels, labels.round())
+        ):
+            raise ValueError(
+                f"classification needs `target(batch)` to give whole class ids of shape "
+                f"({samples},), got shape {tuple(labels.shape)} (for one-hot targets pass "
+                "`labels.argmax(dim=1)`)"
+            )
         values = features.detach().to(torch.float64)  # before pooling: float16 sums overflow
         labels = self._labels(labels.to(features.device))
         keep = _kept(repeated, samples, features.device)

@@ -1,0 +1,473 @@
+"""StoreRows: a feature store as a shuffled ``IterableDataset`` of batches, each row once.
+
+Rows of one or more keys stream from the store's memory-mapped shards into a bounded
+shuffle buffer; every DataLoader worker of every DDP rank reads its own share. Nothing here
+imports Lightning (:class:`~lightning_iocatch.datamodule.StoreDataModule` is the Lightning
+face).
+
+The rules, for an epoch (set with :meth:`StoreRows.set_epoch`, as for a
+``DistributedSampler``):
+
+- **Blocks.** The unit of reading is a block: the rows of one stored batch (one
+  ``b{j}`` of one shard). With ``shuffle=True`` the blocks are put in a random order drawn
+  from ``(seed, epoch)``, the same in every process; with ``shuffle=False`` they keep the
+  store's commit order (rank, shard, batch), not dataset-index order.
+- **Exactly once.** The blocks, laid end to end, are N rows. Rank ``r`` of ``W`` gets the
+  ``r``-th of ``W`` contiguous runs of them, of ``N // W`` or ``N // W + 1`` rows (rows are
+  split, not blocks), cut into batches of ``batch_size`` rows except its last one or two.
+  Every rank yields the same number of batches (what DDP needs: ``len(dataset)``), and one
+  epoch over all ranks reads every row exactly once. Where that cannot be (fewer rows than
+  ranks, or ``batch_size=1`` with rows that do not divide evenly) iterating raises; with
+  ``drop_last=True`` every batch is full and each rank reads only the first
+  ``(N // W) // batch_size`` batches' worth of its run (the rows left out change with the
+  epoch).
+- **Workers.** A rank's batches go round-robin to its DataLoader workers (batch ``i`` to
+  worker ``i % num_workers``), each worker reading the contiguous part of the run its
+  batches need; the DataLoader collects batches round-robin, so the rank's batches come
+  in order. Rank and world size come from ``torch.distributed`` when it is initialised
+  (Lightning does so), or from ``rank=`` and ``world_size=``.
+- **Shuffle buffer.** Each worker holds ``buffer_rows`` rows (per key, cast to ``dtype``):
+  it fills the buffer from its blocks, then yields a batch drawn uniformly from the
+  buffer and refills the freed places, as WebDataset's and Hugging Face's shuffle buffers
+  do. Memory is ``buffer_rows`` rows plus one batch per worker, whatever the store's size;
+  at most one shard is open (memory-mapped) per worker at a time. Rows of one stored batch
+  stay within about ``buffer_rows`` rows of each other in the order.
+- **Determinism.** The order is a function of ``(seed, epoch)``, the store, the world
+  size, the number of workers, ``batch_size`` and ``buffer_rows``.
+- **Which rows.** With one key, every row of it (also a key captured in only some
+  batches). With several keys, a sample that lacks one of them is refused
+  (``incomplete="error"``, naming the key) or left out (``incomplete="skip"``). Keys
+  stored once per batch, or with rows of different shapes or dtypes, are refused. A store
+  holding an index twice is refused, or read from its first commit with
+  ``on_duplicate="first"``, as :class:`~lightning_iocatch.FeatureStore` does.
+
+Not protected against: a store changed while it is read, and a store that the processes
+of one run see differently (:class:`~lightning_iocatch.datamodule.StoreDataModule` checks
+that all ranks see the same blocks before training).
+
+Example:
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> from torch.utils.data import DataLoader
+    >>> from lightning_iocatch.shard_writer import ShardWriter
+    >>> from lightning_iocatch.store_plan import prepare_store
+    >>> path = Path(tempfile.mkdtemp()) / "store"
+    >>> plan = prepare_store(path, "create", {"spec": None, "stage": "predict", "dtype": None})
+    >>> writer = ShardWriter(path, rank=0, plan=plan, max_shard_bytes=64)
+    >>> for start in range(0, 10, 4):  # ten rows of "h/outputs" in three batches
+    ...     rows = torch.arange(start, min(start + 4, 10))
+    ...     _ = writer.write({"h/outputs": rows[:, None].float()}, indices=rows.tolist())
+    >>> writer.close()
+    >>> data = StoreRows(path, "h/outputs", batch_size=3, with_indices=True)
+    >>> data.set_epoch(0)
+    >>> batches = list(DataLoader(data, batch_size=None, num_workers=0))
+    >>> len(data), [len(batch["index"]) for batch in batches]
+    (4, [3, 3, 3, 1])
+    >>> sorted(torch.cat([batch["index"] for batch in batches]).tolist()) == list(range(10))
+    True
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from torch.utils.data import IterableDataset, get_worker_info
+
+from lightning_iocatch.checks import check_bool, check_int, parse_dtype
+from lightning_iocatch.errors import StoreError
+from lightning_iocatch.ledger import read_ledger_entries
+from lightning_iocatch.store import FeatureStore, OnDuplicate
+from lightning_iocatch.store_files import INDEX_KEY, check_own_path, shard_rank_and_seq
+
+__all__ = ["INDEX", "StoreRows"]
+
+INDEX = "index"
+"""The batch entry holding each row's dataset index (``with_indices=True``)."""
+
+Incomplete = Literal["error", "skip"]
+_INCOMPLETE = ("error", "skip")
+
+
+@dataclass(frozen=True)
+class _Block:
+    """The rows read from one stored batch: ``b{position}/...`` of one shard."""
+
+    shard: Path
+    position: int
+    rows: int
+    keep: torch.Tensor | None  # stored positions of the rows read; None: all, in order
+
+
+@dataclass(frozen=True)
+class _Column:
+    """One key of a batch: the shape and dtype of a row as it comes out."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
+    """Batches of rows of ``keys`` from a feature store, shuffled, each row once per epoch.
+
+    Each item is a batch: a dict from key to a tensor with one row per sample (plus
+    ``"index"``, the dataset indices, with ``with_indices=True``). Give it to a
+    ``DataLoader`` with ``batch_size=None``. See the module docstring for the rules.
+
+    Args:
+        path: the store directory a :class:`~lightning_iocatch.FeatureWriter` wrote.
+        keys: a key or keys of the store with one row per sample (``store.keys()``).
+        batch_size: rows per batch.
+        shuffle: draw the order from ``(seed, epoch)``; ``False`` reads in commit order.
+        seed: the seed of the order.
+        buffer_rows: rows each worker holds to shuffle from (default ``8 * batch_size``;
+            at least ``batch_size``); unused without ``shuffle``.
+        drop_last: yield only full batches (rows left out change with the epoch).
+        with_indices: add each row's dataset index under ``"index"``.
+        dtype: cast floating keys to this floating dtype (default: as stored).
+        incomplete: with several keys, ``"error"`` refuses samples lacking one of them;
+            ``"skip"`` reads only the samples that have them all.
+        on_duplicate: as :class:`~lightning_iocatch.FeatureStore`'s.
+        dataloader_idx: which predict dataloader's captures to read.
+        rank: this process's data-parallel rank, with ``world_size``; default: from
+            ``torch.distributed`` when initialised, else 0 of 1.
+        world_size: the number of data-parallel processes.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        keys: str | Sequence[str],
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        buffer_rows: int | None = None,
+        drop_last: bool = False,
+        with_indices: bool = False,
+        dtype: torch.dtype | str | None = None,
+        incomplete: Incomplete = "error",
+        on_duplicate: OnDuplicate = "error",
+        dataloader_idx: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.keys = _parse_keys(keys)
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.shuffle = check_bool("shuffle", shuffle)
+        self.seed = check_int("seed", seed, minimum=0)
+        buffer_rows = 8 * self.batch_size if buffer_rows is None else buffer_rows
+        self.buffer_rows = check_int("buffer_rows", buffer_rows, minimum=self.batch_size)
+        self.drop_last = check_bool("drop_last", drop_last)
+        self.with_indices = check_bool("with_indices", with_indices)
+        self.dtype = parse_dtype("dtype", dtype)
+        if incomplete not in _INCOMPLETE:
+            raise ValueError(f"`incomplete` must be one of {_INCOMPLETE}, got {incomplete!r}")
+        if (rank is None) != (world_size is None):
+            raise ValueError("pass both `rank` and `world_size`, or neither")
+        if world_size is not None and rank is not None:
+            check_int("world_size", world_size, minimum=1)
+            if check_int("rank", rank, minimum=0) >= world_size:
+                raise ValueError(f"`rank` must be below `world_size` {world_size}, got {rank}")
+        self._ranks = None if rank is None or world_size is None else (rank, world_size)
+        if with_indices and INDEX in self.keys:
+            raise ValueError(f"key {INDEX!r} would clash with `with_indices`'s entry {INDEX!r}")
+        store = FeatureStore(path, dataloader_idx=dataloader_idx, on_duplicate=on_duplicate)
+        self.path = store.path
+        self._columns = self._check_columns(store)
+        self._blocks = _layout(store, self.keys, incomplete)
+        self.rows = sum(block.rows for block in self._blocks)
+        if not self.rows:
+            raise StoreError(f"{self.path} holds no rows of {list(self.keys)}")
+        self._digest = hashlib.blake2b(
+            repr([(b.shard.name, b.position, b.rows) for b in self._blocks]).encode()
+        ).hexdigest()
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by workers
+
+    def _check_columns(self, store: FeatureStore) -> dict[str, _Column]:
+        described = store.metadata
+        columns = {}
+        for key in self.keys:
+            if key not in store:
+                store.indices_of(key)  # raises a KeyError naming the keys close to it
+            where = f"StoreRows reads keys with one row per sample; read {key!r} with"
+            if key in described["per_batch"]:
+                raise StoreError(f"{key!r} is stored once per batch; {where} store.batches")
+            shape, dtype = described["keys"][key]["shape"], described["keys"][key]["dtype"]
+            if shape is None or "|" in dtype:
+                raise StoreError(
+                    f"{key!r} has rows of different shapes or dtypes across batches ({dtype}); "
+                    f"{where} store.batches"
+                )
+            stored = getattr(torch, dtype)
+            cast = self.dtype if self.dtype is not None and stored.is_floating_point else stored
+            columns[key] = _Column(tuple(shape), cast)
+        if self.with_indices:
+            columns[INDEX] = _Column((), torch.int64)
+        return columns
+
+    # The epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch`` from the next iteration on (also in running workers)."""
+        self._epoch.fill_(check_int("epoch", epoch, minimum=0))
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
+    def _rank_and_world(self) -> tuple[int, int]:
+        if self._ranks is not None:
+            return self._ranks
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def __len__(self) -> int:
+        """The number of batches this rank yields per epoch (the same on every rank)."""
+        rank, world = self._rank_and_world()
+        return len(_rank_share(self.rows, world, rank, self.batch_size, self.drop_last)[1])
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        rank, world = self._rank_and_world()
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch = self.epoch
+        start, sizes = _rank_share(self.rows, world, rank, self.batch_size, self.drop_last)
+        start += sum(sum(sizes[w::workers]) for w in range(worker))
+        sizes = sizes[worker::workers]
+        order = list(range(len(self._blocks)))
+        if self.shuffle:
+            order = torch.randperm(len(order), generator=_generator(self.seed, epoch)).tolist()
+        counts = [self._blocks[b].rows for b in order]
+        pieces = [(order[i], a, b) for i, a, b in _segments(counts, start, start + sum(sizes))]
+        if not sizes:
+            return
+        reader = _Reader([(self._blocks[b], a, z) for b, a, z in pieces], self._columns)
+        rows = sum(sizes)
+        capacity = min(self.buffer_rows if self.shuffle else max(sizes), rows)
+        buffer = _Buffer(capacity, self._columns)
+        generator = _generator(self.seed, epoch, rank, worker) if self.shuffle else None
+        for size in sizes:
+            buffer.fill(reader, capacity if self.shuffle else size)
+            yield buffer.take(size, generator)
+
+    def __repr__(self) -> str:
+        return f"StoreRows({str(self.path)!r}, keys={list(self.keys)}, rows={self.rows})"
+
+
+def _parse_keys(keys: str | Sequence[str]) -> tuple[str, ...]:
+    parsed = (keys,) if isinstance(keys, str) else tuple(keys)
+    if not parsed or not all(isinstance(key, str) for key in parsed):
+        raise TypeError(f"`keys` must be a key or a non-empty list of keys (str), got {keys!r}")
+    if len(set(parsed)) != len(parsed):
+        raise ValueError(f"`keys` lists a key twice: {list(parsed)}")
+    return parsed
+
+
+def _generator(*parts: int) -> torch.Generator:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+# The layout: which rows of which stored batch are read, in commit order
+
+
+def _layout(store: FeatureStore, keys: Sequence[str], incomplete: Incomplete) -> list[_Block]:
+    """The blocks of the rows that hold every key, checked against ``store``'s own count.
+
+    Built from the ledger and the shards' headers (the batches of ``store``'s dataloader in
+    (rank, shard, batch) order); with duplicated indices, each is read from its first
+    commit in that order, as :class:`~lightning_iocatch.FeatureStore` does.
+    """
+    root, dataloader = store.path, store.dataloader_idx
+    entries = sorted(
+        read_ledger_entries(root), key=lambda e: shard_rank_and_seq(e.record.file) or (-1, -1)
+    )
+    batches: list[tuple[Path, int, set[str], torch.Tensor | int]] = []
+    duplicates = bool(store.duplicated_indices())
+    for entry in entries:
+        record, shard = entry.record, check_own_path(root, entry.record.file)
+        mine = [j for j, b in enumerate(record.batches) if b.dataloader_idx == dataloader]
+        if not mine:
+            continue
+        try:
+            with safe_open(shard, framework="pt") as handle:
+                names = set(handle.keys())
+                for j in mine:
+                    held = {key for key in keys if f"b{j}/{key}" in names}
+                    rows = record.batches[j].rows
+                    index = handle.get_tensor(f"b{j}/{INDEX_KEY}") if duplicates else rows
+                    batches.append((shard, j, held, index))
+        except SafetensorError as error:
+            raise StoreError(f"shard {shard} is corrupted: {error}") from error
+    keeps: list[torch.Tensor | None] = [None] * len(batches)
+    if duplicates:
+        every = torch.cat([index for *_, index in batches if isinstance(index, torch.Tensor)])
+        order = torch.argsort(every, stable=True)  # the first commit first among equals
+        first = torch.ones_like(every, dtype=torch.bool)
+        first[1:] = every[order][1:] != every[order][:-1]
+        kept = torch.zeros_like(first)
+        kept[order[first]] = True
+        sizes = [int(index.numel()) for *_, index in batches if isinstance(index, torch.Tensor)]
+        keeps = [torch.nonzero(mask).flatten() for mask in kept.split(sizes)]
+    counts = dict.fromkeys(keys, 0)
+    blocks = []
+    for (shard, position, held, index), keep in zip(batches, keeps, strict=True):
+        rows = int(keep.numel()) if keep is not None else int(index)
+        for key in held:
+            counts[key] += rows
+        if len(held) == len(keys) and rows:
+            blocks.append(_Block(shard, position, rows, keep))
+    complete = sum(block.rows for block in blocks)
+    for key in keys:
+        if counts[key] != store.indices_of(key).numel():
+            raise StoreError(f"{root} changed while it was opened; open it again")
+        if counts[key] != complete and incomplete == "error":
+            raise StoreError(
+                f"{key!r} is stored for {counts[key]} rows, but only {complete} rows hold "
+                f"every one of {list(keys)}; pass StoreRows(..., incomplete='skip') to read "
+                "only those, or read the keys one at a time"
+            )
+    return blocks
+
+
+# An epoch's share: which rows of the blocks laid end to end, in batches of which sizes
+
+
+def _rank_share(
+    total: int, world: int, rank: int, batch_size: int, drop_last: bool
+) -> tuple[int, list[int]]:
+    """Where ``rank``'s contiguous run of the ``total`` rows starts, and its batch sizes.
+
+    Every rank gets the same number of batches; without ``drop_last`` the runs cover every
+    row once, all batches full but a rank's last one or two.
+    """
+    quotient, remainder = divmod(total, world)
+    start = rank * quotient + min(rank, remainder)
+    if drop_last:
+        if quotient < batch_size:
+            raise ValueError(
+                f"{total} rows over {world} process(es) are fewer than `batch_size` "
+                f"{batch_size} per process: `drop_last=True` would drop every batch"
+            )
+        return start, [batch_size] * (quotient // batch_size)
+    if quotient == 0 or (batch_size == 1 and remainder):
+        raise ValueError(
+            f"{total} rows cannot give {world} processes the same number of non-empty batches "
+            f"of at most {batch_size} rows each; use a `batch_size` of 2 or more, fewer "
+            "processes, or `drop_last=True`"
+        )
+    share = quotient + (rank < remainder)
+    steps = -(-(quotient + (remainder > 0)) // batch_size)
+    sizes = [batch_size] * (steps - 1) + [share - (steps - 1) * batch_size]
+    if sizes[-1] == 0:  # one row fewer than the largest share: the last two share it out
+        sizes[-2:] = [batch_size - 1, 1]
+    return start, sizes
+
+
+def _segments(counts: list[int], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """``(i, first, end)``: the rows ``[start, stop)`` of blocks of ``counts`` rows laid end
+    to end, as row ranges of block ``i``."""
+    ends = list(itertools.accumulate(counts))
+    pieces = []
+    i = bisect.bisect_right(ends, start)
+    while start < stop:
+        begin = ends[i] - counts[i]
+        end = min(ends[i], stop)
+        pieces.append((i, start - begin, end - begin))
+        start, i = end, i + 1
+    return pieces
+
+
+# Reading: from memory-mapped shards into a bounded buffer
+
+
+class _Reader:
+    """The rows of ``pieces`` in order, a few at a time; one shard open at a time."""
+
+    def __init__(self, pieces: list[tuple[_Block, int, int]], columns: dict[str, _Column]):
+        self._pieces = pieces
+        self._columns = columns
+        self._next = 0  # the piece being read
+        self._offset = pieces[0][1] if pieces else 0  # the next row of that piece
+        self._open: tuple[Path, Any] | None = None
+
+    def read(self, limit: int) -> dict[str, torch.Tensor] | None:
+        """Up to ``limit`` rows (views of the mapped shard), or ``None`` after the last."""
+        if self._next == len(self._pieces):
+            self._open = None  # unmaps the last shard
+            return None
+        block, _, end = self._pieces[self._next]
+        first, stop = self._offset, min(end, self._offset + limit)
+        if stop == end:
+            self._next += 1
+            self._offset = self._pieces[self._next][1] if self._next < len(self._pieces) else 0
+        else:
+            self._offset = stop
+        if self._open is None or self._open[0] != block.shard:
+            self._open = None  # unmap the previous shard before mapping the next one
+            self._open = (block.shard, safe_open(block.shard, framework="pt"))
+        handle = self._open[1]
+        rows = {}
+        for key in self._columns:
+            name = f"b{block.position}/{INDEX_KEY if key == INDEX else key}"
+            try:
+                stored = handle.get_slice(name)
+                if block.keep is None:
+                    part = stored[first:stop]
+                else:
+                    wanted = block.keep[first:stop]
+                    low = int(wanted[0])
+                    part = stored[low : int(wanted[-1]) + 1][wanted - low]
+            except SafetensorError as error:
+                raise StoreError(f"shard {block.shard} is corrupted: {error}") from error
+            if part.shape[0] != stop - first:
+                raise StoreError(f"shard {block.shard} changed while it was read")
+            rows[key] = part
+        return rows
+
+
+class _Buffer:
+    """``capacity`` rows per column; batches drawn at random (or in order) from those held."""
+
+    def __init__(self, capacity: int, columns: dict[str, _Column]) -> None:
+        self._rows = {
+            key: torch.empty((capacity, *column.shape), dtype=column.dtype)
+            for key, column in columns.items()
+        }
+        self._held = 0
+
+    def fill(self, reader: _Reader, upto: int) -> None:
+        while self._held < upto and (part := reader.read(upto - self._held)) is not None:
+            count = len(next(iter(part.values())))
+            for key, rows in part.items():
+                self._rows[key][self._held : self._held + count].copy_(rows)
+            self._held += count
+
+    def take(self, count: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+        """``count`` rows at random (the first ones without ``generator``); their places
+        are filled with the last rows held."""
+        held, kept = self._held, self._held - count
+        if generator is None:
+            picked = torch.arange(count)
+        else:
+            picked = torch.randperm(held, generator=generator)[:count]
+        moved = torch.ones(count, dtype=torch.bool)
+        moved[picked[picked >= kept] - kept] = False
+        holes, movers = picked[picked < kept], torch.arange(kept, held)[moved]
+        batch = {}
+        for key, rows in self._rows.items():
+            batch[key] = rows.index_select(0, picked)
+            rows.index_copy_(0, holes, rows.index_select(0, movers))
+        self._held = kept
+        return batch

@@ -23,10 +23,12 @@ if TYPE_CHECKING:
     from lightning_iocatch.buffer import CaptureBuffer
     from lightning_iocatch.callback import IOCaptureCallback
     from lightning_iocatch.catcher import CaptureSession, ModelIOCatcher
+    from lightning_iocatch.datamodule import StoreDataModule
     from lightning_iocatch.errors import CaptureError, SpecError, StoreError, UnknownModuleError
     from lightning_iocatch.sinks import BatchCaptures, CaptureSink, MemorySink
     from lightning_iocatch.spec import CaptureSpec, format_io_spec, parse_io_spec
     from lightning_iocatch.store import FeatureStore
+    from lightning_iocatch.training_data import StoreRows
     from lightning_iocatch.transfer import NotCaptured, transfer_to_device
     from lightning_iocatch.writer import FeatureWriter
 
@@ -46,6 +48,8 @@ _HOMES = {
     "format_io_spec": "spec",
     "parse_io_spec": "spec",
     "FeatureStore": "store",
+    "StoreDataModule": "datamodule",
+    "StoreRows": "training_data",
     "NotCaptured": "transfer",
     "transfer_to_device": "transfer",
     "FeatureWriter": "writer",
@@ -65,7 +69,9 @@ __all__ = [
     "ModelIOCatcher",
     "NotCaptured",
     "SpecError",
+    "StoreDataModule",
     "StoreError",
+    "StoreRows",
     "UnknownModuleError",
     "format_io_spec",
     "parse_io_spec",

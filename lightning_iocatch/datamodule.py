@@ -11,8 +11,8 @@ reads its own share, by ``torch.distributed``'s rank.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 import torch
@@ -23,15 +23,18 @@ from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store import OnDuplicate
 from lightning_iocatch.training_data import Incomplete, StoreRows
 
+if TYPE_CHECKING:
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
 __all__ = ["StoreDataModule"]
 
 
-class _EpochLoader(DataLoader):  # type: ignore[type-arg]
+class _EpochLoader(DataLoader):
     """A DataLoader that sets its dataset's epoch from ``epoch_of()`` as each epoch starts."""
 
     epoch_of: Callable[[], int] | None = None
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> _BaseDataLoaderIter:
         if self.epoch_of is not None:
             self.dataset.set_epoch(self.epoch_of())  # type: ignore[attr-defined]
         return super().__iter__()
@@ -129,7 +132,7 @@ class StoreDataModule(pl.LightningDataModule):
                 "one finished store"
             )
 
-    def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+    def train_dataloader(self) -> DataLoader:
         loader = _EpochLoader(
             self.dataset,
             batch_size=None,

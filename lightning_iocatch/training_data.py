@@ -1,49 +1,38 @@
 """StoreRows: a feature store as a shuffled ``IterableDataset`` of batches, each row once.
 
-Rows of one or more keys stream from the store's memory-mapped shards into a bounded
-shuffle buffer; every DataLoader worker of every DDP rank reads its own share. Nothing here
-imports Lightning (:class:`~lightning_iocatch.datamodule.StoreDataModule` is the Lightning
-face).
+Rows of one or more keys stream from memory-mapped shards through a bounded shuffle buffer;
+each DataLoader worker of each DDP rank reads its own share. Nothing here imports Lightning
+(:class:`~lightning_iocatch.datamodule.StoreDataModule` is the Lightning face). For each
+epoch (:meth:`StoreRows.set_epoch`, as with a ``DistributedSampler``):
 
-The rules, for an epoch (set with :meth:`StoreRows.set_epoch`, as for a
-``DistributedSampler``):
+- **Order.** The unit of reading is a block: the rows of one stored batch. ``shuffle=True``
+  orders the blocks by a permutation drawn from ``(seed, epoch)``, the same in every
+  process; each worker then yields batches drawn uniformly from a buffer of
+  ``buffer_rows`` rows, refilling the freed places from its blocks (the shuffle buffer of
+  WebDataset and Hugging Face ``datasets``), so rows of one stored batch stay within about
+  ``buffer_rows`` rows of each other. ``shuffle=False`` reads in commit order (rank, shard,
+  batch). The order depends on ``(seed, epoch)``, the store, the world size, the number
+  of workers, ``batch_size`` and ``buffer_rows``, and on nothing else.
+- **Exactly once.** The blocks laid end to end are N rows. Rank ``r`` of ``W`` reads the
+  ``r``-th of ``W`` contiguous runs of ``N // W`` or ``N // W + 1`` rows (rows are split,
+  not blocks) in batches of ``batch_size`` rows but its last one or two, so every rank
+  yields ``len(dataset)`` batches (DDP needs the same number of steps on every rank) and
+  one epoch reads every row once. Fewer rows than ranks, or ``batch_size=1`` with an uneven
+  split, is refused; ``drop_last=True`` yields only full batches, ``(N // W) //
+  batch_size`` per rank (the rows left out change with the epoch). A rank's batch ``i`` is
+  made by its worker ``i % num_workers`` from the part of the run it needs, and the
+  DataLoader collects batches from its workers in turn. Rank and world size come from
+  ``torch.distributed`` once initialised (Lightning does it), or ``rank=``/``world_size=``.
+- **Memory.** Per worker: ``buffer_rows`` rows of every key (in the output dtype), one
+  batch, and the rows being copied in (their shard is mapped only while they are copied),
+  whatever the size of the store.
+- **Which rows.** One key: every row of it. Several keys: a sample lacking one of them is
+  refused (``incomplete="error"``) or left out (``"skip"``). Keys stored once per batch or
+  with rows of varying shape or dtype are refused; an index stored twice is refused, or
+  read from its first commit (``on_duplicate="first"``), as FeatureStore does.
 
-- **Blocks.** The unit of reading is a block: the rows of one stored batch (one
-  ``b{j}`` of one shard). With ``shuffle=True`` the blocks are put in a random order drawn
-  from ``(seed, epoch)``, the same in every process; with ``shuffle=False`` they keep the
-  store's commit order (rank, shard, batch), not dataset-index order.
-- **Exactly once.** The blocks, laid end to end, are N rows. Rank ``r`` of ``W`` gets the
-  ``r``-th of ``W`` contiguous runs of them, of ``N // W`` or ``N // W + 1`` rows (rows are
-  split, not blocks), cut into batches of ``batch_size`` rows except its last one or two.
-  Every rank yields the same number of batches (what DDP needs: ``len(dataset)``), and one
-  epoch over all ranks reads every row exactly once. Where that cannot be (fewer rows than
-  ranks, or ``batch_size=1`` with rows that do not divide evenly) iterating raises; with
-  ``drop_last=True`` every batch is full and each rank reads only the first
-  ``(N // W) // batch_size`` batches' worth of its run (the rows left out change with the
-  epoch).
-- **Workers.** A rank's batches go round-robin to its DataLoader workers (batch ``i`` to
-  worker ``i % num_workers``), each worker reading the contiguous part of the run its
-  batches need; the DataLoader collects batches round-robin, so the rank's batches come
-  in order. Rank and world size come from ``torch.distributed`` when it is initialised
-  (Lightning does so), or from ``rank=`` and ``world_size=``.
-- **Shuffle buffer.** Each worker holds ``buffer_rows`` rows (per key, cast to ``dtype``):
-  it fills the buffer from its blocks, then yields a batch drawn uniformly from the
-  buffer and refills the freed places, as WebDataset's and Hugging Face's shuffle buffers
-  do. Memory is ``buffer_rows`` rows plus one batch per worker, whatever the store's size;
-  at most one shard is open (memory-mapped) per worker at a time. Rows of one stored batch
-  stay within about ``buffer_rows`` rows of each other in the order.
-- **Determinism.** The order is a function of ``(seed, epoch)``, the store, the world
-  size, the number of workers, ``batch_size`` and ``buffer_rows``.
-- **Which rows.** With one key, every row of it (also a key captured in only some
-  batches). With several keys, a sample that lacks one of them is refused
-  (``incomplete="error"``, naming the key) or left out (``incomplete="skip"``). Keys
-  stored once per batch, or with rows of different shapes or dtypes, are refused. A store
-  holding an index twice is refused, or read from its first commit with
-  ``on_duplicate="first"``, as :class:`~lightning_iocatch.FeatureStore` does.
-
-Not protected against: a store changed while it is read, and a store that the processes
-of one run see differently (:class:`~lightning_iocatch.datamodule.StoreDataModule` checks
-that all ranks see the same blocks before training).
+Not protected against: a store changed while it is read, or seen differently by the
+processes of one run (StoreDataModule checks that every rank sees the same blocks).
 
 Example:
     >>> import tempfile
@@ -59,8 +48,7 @@ Example:
     ...     _ = writer.write({"h/outputs": rows[:, None].float()}, indices=rows.tolist())
     >>> writer.close()
     >>> data = StoreRows(path, "h/outputs", batch_size=3, with_indices=True)
-    >>> data.set_epoch(0)
-    >>> batches = list(DataLoader(data, batch_size=None, num_workers=0))
+    >>> batches = list(DataLoader(data, batch_size=None, num_workers=0))  # the order of epoch 0
     >>> len(data), [len(batch["index"]) for batch in batches]
     (4, [3, 3, 3, 1])
     >>> sorted(torch.cat([batch["index"] for batch in batches]).tolist()) == list(range(10))
@@ -70,13 +58,14 @@ Example:
 from __future__ import annotations
 
 import bisect
+import collections
 import hashlib
 import itertools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -172,13 +161,13 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         self.dtype = parse_dtype("dtype", dtype)
         if incomplete not in _INCOMPLETE:
             raise ValueError(f"`incomplete` must be one of {_INCOMPLETE}, got {incomplete!r}")
-        if (rank is None) != (world_size is None):
-            raise ValueError("pass both `rank` and `world_size`, or neither")
-        if world_size is not None and rank is not None:
-            check_int("world_size", world_size, minimum=1)
-            if check_int("rank", rank, minimum=0) >= world_size:
+        self._ranks = None
+        if rank is not None and world_size is not None:
+            if check_int("rank", rank, minimum=0) >= check_int("world_size", world_size, minimum=1):
                 raise ValueError(f"`rank` must be below `world_size` {world_size}, got {rank}")
-        self._ranks = None if rank is None or world_size is None else (rank, world_size)
+            self._ranks = (rank, world_size)
+        elif rank is not None or world_size is not None:
+            raise ValueError("pass both `rank` and `world_size`, or neither")
         if with_indices and INDEX in self.keys:
             raise ValueError(f"key {INDEX!r} would clash with `with_indices`'s entry {INDEX!r}")
         store = FeatureStore(path, dataloader_idx=dataloader_idx, on_duplicate=on_duplicate)
@@ -283,47 +272,37 @@ def _generator(*parts: int) -> torch.Generator:
 
 
 def _layout(store: FeatureStore, keys: Sequence[str], incomplete: Incomplete) -> list[_Block]:
-    """The blocks of the rows that hold every key, checked against ``store``'s own count.
-
-    Built from the ledger and the shards' headers (the batches of ``store``'s dataloader in
-    (rank, shard, batch) order); with duplicated indices, each is read from its first
-    commit in that order, as :class:`~lightning_iocatch.FeatureStore` does.
-    """
-    root, dataloader = store.path, store.dataloader_idx
+    """The blocks of the rows holding every key, in (rank, shard, batch) order, from the
+    ledgers and the shards' headers; an index stored twice is read from its first commit in
+    that order, as ``store`` reads it, and the counts are checked against ``store``'s."""
+    root, duplicates, mine = store.path, bool(store.duplicated_indices()), store.dataloader_idx
     entries = sorted(
         read_ledger_entries(root), key=lambda e: shard_rank_and_seq(e.record.file) or (-1, -1)
     )
-    batches: list[tuple[Path, int, set[str], torch.Tensor | int]] = []
-    duplicates = bool(store.duplicated_indices())
+    found: list[tuple[Path, int, set[str], int, torch.Tensor | None]] = []
     for entry in entries:
-        record, shard = entry.record, check_own_path(root, entry.record.file)
-        mine = [j for j, b in enumerate(record.batches) if b.dataloader_idx == dataloader]
-        if not mine:
-            continue
+        batches, shard = entry.record.batches, check_own_path(root, entry.record.file)
         try:
             with safe_open(shard, framework="pt") as handle:
                 names = set(handle.keys())
-                for j in mine:
+                for j in (j for j, batch in enumerate(batches) if batch.dataloader_idx == mine):
                     held = {key for key in keys if f"b{j}/{key}" in names}
-                    rows = record.batches[j].rows
-                    index = handle.get_tensor(f"b{j}/{INDEX_KEY}") if duplicates else rows
-                    batches.append((shard, j, held, index))
+                    index = handle.get_tensor(f"b{j}/{INDEX_KEY}") if duplicates else None
+                    found.append((shard, j, held, batches[j].rows, index))
         except SafetensorError as error:
             raise StoreError(f"shard {shard} is corrupted: {error}") from error
-    keeps: list[torch.Tensor | None] = [None] * len(batches)
+    keeps: list[torch.Tensor | None] = [None] * len(found)
     if duplicates:
-        every = torch.cat([index for *_, index in batches if isinstance(index, torch.Tensor)])
+        indices = [index for *_, index in found if index is not None]  # all, here
+        every = torch.cat(indices)
         order = torch.argsort(every, stable=True)  # the first commit first among equals
         first = torch.ones_like(every, dtype=torch.bool)
         first[1:] = every[order][1:] != every[order][:-1]
-        kept = torch.zeros_like(first)
-        kept[order[first]] = True
-        sizes = [int(index.numel()) for *_, index in batches if isinstance(index, torch.Tensor)]
-        keeps = [torch.nonzero(mask).flatten() for mask in kept.split(sizes)]
-    counts = dict.fromkeys(keys, 0)
-    blocks = []
-    for (shard, position, held, index), keep in zip(batches, keeps, strict=True):
-        rows = int(keep.numel()) if keep is not None else int(index)
+        kept = torch.zeros_like(first).index_fill_(0, order[first], True)
+        keeps = [m.nonzero().flatten() for m in kept.split([len(i) for i in indices])]
+    counts, blocks = dict.fromkeys(keys, 0), []
+    for (shard, position, held, rows, _), keep in zip(found, keeps, strict=True):
+        rows = rows if keep is None else len(keep)
         for key in held:
             counts[key] += rows
         if len(held) == len(keys) and rows:
@@ -393,48 +372,41 @@ def _segments(counts: list[int], start: int, stop: int) -> list[tuple[int, int, 
 
 
 class _Reader:
-    """The rows of ``pieces`` in order, a few at a time; one shard open at a time."""
+    """The rows of ``pieces`` (block, first row, end row) in order, a few at a time."""
 
     def __init__(self, pieces: list[tuple[_Block, int, int]], columns: dict[str, _Column]):
-        self._pieces = pieces
+        self._pieces = collections.deque(pieces)
         self._columns = columns
-        self._next = 0  # the piece being read
-        self._offset = pieces[0][1] if pieces else 0  # the next row of that piece
-        self._open: tuple[Path, Any] | None = None
 
     def read(self, limit: int) -> dict[str, torch.Tensor] | None:
-        """Up to ``limit`` rows (views of the mapped shard), or ``None`` after the last."""
-        if self._next == len(self._pieces):
-            self._open = None  # unmaps the last shard
+        """Up to ``limit`` rows, or ``None`` after the last: views of their shard, mapped only
+        as long as they are kept (so the pages of no other rows count as the process's)."""
+        if not self._pieces:
             return None
-        block, _, end = self._pieces[self._next]
-        first, stop = self._offset, min(end, self._offset + limit)
-        if stop == end:
-            self._next += 1
-            self._offset = self._pieces[self._next][1] if self._next < len(self._pieces) else 0
-        else:
-            self._offset = stop
-        if self._open is None or self._open[0] != block.shard:
-            self._open = None  # unmap the previous shard before mapping the next one
-            self._open = (block.shard, safe_open(block.shard, framework="pt"))
-        handle = self._open[1]
+        block, first, end = self._pieces.popleft()
+        stop = min(end, first + limit)
+        if stop < end:
+            self._pieces.appendleft((block, stop, end))
         rows = {}
-        for key in self._columns:
-            name = f"b{block.position}/{INDEX_KEY if key == INDEX else key}"
-            try:
-                stored = handle.get_slice(name)
-                if block.keep is None:
-                    part = stored[first:stop]
-                else:
-                    wanted = block.keep[first:stop]
-                    low = int(wanted[0])
-                    part = stored[low : int(wanted[-1]) + 1][wanted - low]
-            except SafetensorError as error:
-                raise StoreError(f"shard {block.shard} is corrupted: {error}") from error
-            if part.shape[0] != stop - first:
-                raise StoreError(f"shard {block.shard} changed while it was read")
-            rows[key] = part
+        try:
+            with safe_open(block.shard, framework="pt") as handle:
+                for key in self._columns:
+                    stored = handle.get_slice(f"b{block.position}/{_stored_name(key)}")
+                    if block.keep is None:
+                        rows[key] = stored[first:stop]
+                    else:
+                        wanted = block.keep[first:stop]
+                        low = int(wanted[0])
+                        rows[key] = stored[low : int(wanted[-1]) + 1][wanted - low]
+        except SafetensorError as error:
+            raise StoreError(f"shard {block.shard} is corrupted: {error}") from error
+        if any(part.shape[0] != stop - first for part in rows.values()):
+            raise StoreError(f"shard {block.shard} changed while it was read")
         return rows
+
+
+def _stored_name(key: str) -> str:
+    return INDEX_KEY if key == INDEX else key
 
 
 class _Buffer:

@@ -7,9 +7,6 @@ and the tensors given to the writer.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -46,21 +43,6 @@ def shard_tensors(path: Path) -> list[tuple[ShardRecord, dict[str, torch.Tensor]
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
-
-
-def test_the_writing_core_needs_no_lightning() -> None:
-    code = (
-        "import sys\n"
-        "import lightning_iocatch.ledger, lightning_iocatch.row_selection\n"
-        "import lightning_iocatch.shard_file, lightning_iocatch.shard_headers\n"
-        "import lightning_iocatch.shard_writer, lightning_iocatch.store\n"
-        "import lightning_iocatch.store_files, lightning_iocatch.store_plan\n"
-        "roots = {m.split('.')[0] for m in sys.modules}\n"
-        "assert not roots & {'lightning', 'pytorch_lightning'}, roots"
-    )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_shards_are_safetensors_files_for_every_storable_dtype(

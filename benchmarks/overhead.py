@@ -69,7 +69,7 @@ def idle_and_armed(model: nn.Module, x: torch.Tensor, middle: str, repeats: int)
     variants = {"plain": forward, "idle": forward, "armed": armed, "all_hooks_idle": forward}
     around = {"armed": lambda: session, "all_hooks_idle": lambda: all_module_hooks(model)}
     with torch.inference_mode():
-        ratios = interleaved_ratios(variants, repeats, around=around)
+        ratios = interleaved_ratios(variants, repeats, around=around, min_seconds=0.25)
     return {"modules": sum(1 for _ in model.modules()), **ratios}
 
 
@@ -122,7 +122,7 @@ def early_exit(model: GPT2Model, ids: torch.Tensor, repeats: int) -> dict:
         variants[f"early_exit_{label}"] = cut_at(stop)
         variants[f"share_{label}"] = truncated_forward(stop)
     with torch.inference_mode():
-        ratios = interleaved_ratios(variants, repeats)
+        ratios = interleaved_ratios(variants, repeats, min_seconds=0.25)
     result: dict = {"baseline_s": ratios["baseline_s"]}
     for label in stops:
         ratio, share = ratios[f"early_exit_{label}"], ratios[f"share_{label}"]
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per variant")
     args = parser.parse_args()
-    repeats = args.repeats or (5 if args.quick else 60)
+    repeats = args.repeats or (3 if args.quick else 21)
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 

@@ -57,10 +57,10 @@ def _dynamo_context(value: Any) -> Any | None:
     A compiled function is Dynamo's ``compile_wrapper`` closure, which keeps the context
     (and with it the ``fullgraph`` option) in a closure cell.
     """
+    if not isinstance(value, FunctionType) or not hasattr(value, "_torchdynamo_orig_callable"):
+        return None  # the common case, first: it runs for every attribute of every module
     from torch._dynamo.eval_frame import OptimizeContext
 
-    if not isinstance(value, FunctionType) or not hasattr(value, "_torchdynamo_orig_callable"):
-        return None
     for cell in value.__closure__ or ():
         try:
             contents = cell.cell_contents
@@ -90,6 +90,8 @@ def _compiled_parts(model: nn.Module) -> list[_CompiledPart]:
     parts = []
     for name, module in model.named_modules():
         for attribute, value in vars(module).items():
+            if not isinstance(value, FunctionType):  # the parameters, buffers, submodules...
+                continue
             context = _dynamo_context(value)
             if context is None:
                 continue

@@ -79,7 +79,8 @@ def table(overhead: dict, predict: dict, dump: dict, probes: dict) -> str:
             (
                 f"early exit after block {block} of 12 (share of network run)",
                 f"{spread(e)} (share {e['share_run']:.3f}, excess {e['excess']:+.3f})",
-                f"excess of the medians ≤ 0.03: {'meets' if abs(e['excess']) <= 0.03 else 'misses'}",
+                "excess of the medians ≤ 0.03: "
+                + ("meets" if abs(e["excess"]) <= 0.03 else "misses"),
             )
         )
     rows += [

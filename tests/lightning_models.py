@@ -100,3 +100,24 @@ def manual_outputs(module: TinyModule, x: torch.Tensor) -> list[torch.Tensor]:
             x = layer(x)
             outs.append(x)
     return outs
+
+
+def tiny_llama(**config: Any) -> Any:
+    """A Llama-style causal LM with random weights (nothing downloaded), in eval mode.
+
+    ``config`` overrides the small defaults of its ``LlamaConfig``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    options: dict[str, Any] = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    options.update(config)
+    return LlamaForCausalLM(LlamaConfig(**options)).eval()

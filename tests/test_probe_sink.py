@@ -11,13 +11,12 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_iocatch import BatchCaptures, CaptureSink, IOCaptureCallback
 from lightning_iocatch.keys import flatten_captures
 from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe
 from lightning_iocatch.probes.linear import _unit_hash
-from tests.lightning_models import trainer
+from tests.lightning_models import tiny_llama, trainer
 from tests.test_probes import numpy_batch_stats, numpy_cka
 
 STATS = ("mean", "std", "rms", "absmax", "zero_frac", "dead_frac")
@@ -32,17 +31,7 @@ class Decoder(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-            max_position_embeddings=64,
-        )
-        self.model = LlamaForCausalLM(config).eval()
+        self.model = tiny_llama()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         ids, mask, _ = batch

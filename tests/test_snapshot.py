@@ -8,28 +8,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from lightning_iocatch import IOCaptureCallback, ModelIOCatcher, NotCaptured
 from lightning_iocatch.transfer import snapshot
-from tests.lightning_models import trainer
+from tests.lightning_models import tiny_llama, trainer
 
 IMMUTABLE = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+def llama() -> Any:
+    return tiny_llama(num_hidden_layers=3, pad_token_id=0)
 
 
 def leaves(value: Any) -> Iterator[Any]:
@@ -81,7 +70,7 @@ def check_snapshot(entry: dict[str, Any], expected: dict[str, Any]) -> None:
 
 
 def test_a_decoder_layer_under_generate_keeps_copies_and_a_placeholder_for_the_cache() -> None:
-    model = tiny_llama()
+    model = llama()
     truth = hand_written_inputs(model.model.layers[1])
     ids = torch.randint(1, 64, (2, 5))
     with ModelIOCatcher(model, "cpu").from_spec("inputs[model.layers.1]") as buf:
@@ -95,7 +84,7 @@ def test_a_decoder_layer_under_generate_keeps_copies_and_a_placeholder_for_the_c
 class Generator(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.model = tiny_llama()
+        self.model = llama()
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return generate(self.model, batch[0])

@@ -15,12 +15,11 @@ import lightning.pytorch as pl
 import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback
 from lightning_iocatch.ledger import read_ledgers
 from lightning_iocatch.store_files import INDEX_KEY
-from tests.lightning_models import trainer
+from tests.lightning_models import tiny_llama, trainer
 
 LAYER = "model.model.layers.0"
 PER_BATCH = (
@@ -35,17 +34,7 @@ class Decoder(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-        )
-        self.model = LlamaForCausalLM(config).eval()
+        self.model = tiny_llama(hidden_size=16, intermediate_size=32, max_position_embeddings=32)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self.model(batch[0]).logits

@@ -143,8 +143,9 @@ class IOCaptureCallback(Callback):
                     "`writer` dumps the predict loop, but `stages` has no 'predict': add it"
                 )
             sinks = [writer, *sinks]
-        if not isinstance(probes, (list, tuple)) or not isinstance(sinks, (list, tuple)):
-            raise TypeError("`probes` and `sinks` must be lists (or tuples)")
+        for argument, value in (("probes", probes), ("sinks", sinks)):
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(f"`{argument}` must be a list, got {type(value).__name__}")
         self.probes = ProbeSink(probes) if probes else None
         if self.probes is not None:
             if not {"validate", "test"} & set(stages):

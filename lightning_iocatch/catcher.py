@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_iocatch.buffer import CaptureBuffer, Kind, Pending
-from lightning_iocatch.checks import check_int, parse_device, parse_dtype
+from lightning_iocatch.checks import check_bool, check_int, parse_device, parse_dtype
 from lightning_iocatch.compiled import prepare_for_hooks
 from lightning_iocatch.coordinator import COORDINATOR, ForwardCoordinator
 from lightning_iocatch.errors import CaptureError
@@ -173,6 +173,20 @@ class CaptureSession:
                 coordinator.maybe_stop(self)
 
 
+def _names(argument: str, names: Any) -> list[str]:
+    """``names`` as a list of strings, or one clear error naming ``argument``."""
+    if isinstance(names, str):
+        raise TypeError(
+            f"`{argument}` takes a list of names; for a spec string use `catcher.from_spec(spec)`"
+        )
+    if not isinstance(names, Iterable):
+        raise TypeError(f"`{argument}` must be a list of module names, got {names!r}")
+    names = list(names)
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError(f"`{argument}` must be a list of module names, got {names!r}")
+    return names
+
+
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The module under every wrapper (compiled, FSDP, checkpoint)."""
     for component in WRAPPER_COMPONENTS:
@@ -303,11 +317,8 @@ class ModelIOCatcher:
         ``KeyError`` (``UnknownModuleError``) with close matches; a request that selects
         nothing raises ``ValueError``.
         """
-        if isinstance(inputs, str) or isinstance(outputs, str):
-            raise TypeError(
-                "`inputs` and `outputs` take lists of names; for a spec string use "
-                "`catcher.from_spec(spec)`"
-            )
+        inputs, outputs = _names("inputs", inputs), _names("outputs", outputs)
+        early_exit = check_bool("early_exit", early_exit)
         if self._session is not None:
             raise CaptureError(
                 "a capture session is already open on this catcher; nested sessions would "

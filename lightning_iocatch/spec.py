@@ -40,7 +40,7 @@ LIST_NAMES_HINT = (
     "list valid names with `lightning-iocatch modules` or `[n for n, _ in model.named_modules()]`"
 )
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_NUMBER = re.compile(r"\d+")
+_NUMBER = re.compile(r"-?\d+")  # "-1" is its own index (not 1): never suggest layer 1
 
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 """Name components that wrappers insert between a module and its parent, dropped from names.
@@ -312,7 +312,7 @@ def _index_hint(request: str, names: Sequence[str]) -> str:
     position = 0
     while position < len(parts):
         part = parts[position]
-        if part.isdigit():
+        if _NUMBER.fullmatch(part):
             parent = ".".join(parts[:position])
             if parent not in children:
                 alike = [c for c in children if c and _numbers(c) == _numbers(parent)]

@@ -285,7 +285,7 @@ class FeatureStore:
         if key not in self._dtypes:
             close = close_names(key, self._dtypes, cutoff=0.5)  # keeps the key's indices
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            raise KeyError(f"no key {key!r} in {self.path}{hint} Keys: {self.keys()}")
+            raise KeyError(f"no key {key!r} in {self.path}{hint or '.'} Keys: {self.keys()}")
 
     def _holders(self, key: str) -> list[StoredBatch]:
         return [batch for batch in self._batches if key in batch.shapes]

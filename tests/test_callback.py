@@ -182,7 +182,8 @@ def test_unknown_names_fail_before_any_batch_runs() -> None:
         (dict(spec="outputs[a]", pinned_memory_bytes=-1), ValueError, "`pinned_memory_bytes`"),
         (dict(spec="outputs[a]", pinned_memory_bytes=1.5), TypeError, "`pinned_memory_bytes`"),
         (dict(spec="outputs[a]", writer=3), TypeError, "`writer` must be a FeatureWriter"),
-        (dict(spec="outputs[a]", probes="stats"), TypeError, "`probes` and `sinks` must be"),
+        (dict(spec="outputs[a]", probes="stats"), TypeError, "`probes` must be a list"),
+        (dict(spec="outputs[a]", sinks=object()), TypeError, "`sinks` must be a list"),
     ],
 )
 def test_bad_arguments_are_refused_in_init(kwargs: dict, error: type, message: str) -> None:

@@ -327,3 +327,25 @@ def test_take_starts_a_fresh_buffer(blocks: Blocks) -> None:
         blocks(torch.randn(1, 8))
     assert len(first["layers.0"]["outputs"]) == 1
     assert len(session.buffer["layers.0"]["outputs"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"outputs": ["layers.0"], "early_exit": "no"}, "`early_exit` must be True or False"),
+        ({"outputs": ["layers.0"], "early_exit": 1}, "`early_exit` must be True or False"),
+        ({"outputs": [1]}, "`outputs` must be a list of module names"),
+        ({"outputs": None}, "`outputs` must be a list of module names"),
+        ({"inputs": "layers.0"}, "`inputs` takes a list of names"),
+    ],
+)
+def test_bad_session_arguments_name_the_argument(
+    blocks: Blocks, kwargs: dict, message: str
+) -> None:
+    with pytest.raises(TypeError, match=message):
+        ModelIOCatcher(blocks, "cpu")(**kwargs)
+
+
+def test_a_generator_of_names_is_read_once(blocks: Blocks) -> None:
+    session = ModelIOCatcher(blocks, "cpu")(outputs=(f"layers.{i}" for i in (0, 1)))
+    assert session.outputs == ["layers.0", "layers.1"]

@@ -293,3 +293,11 @@ def test_many_double_stars_resolve_in_linear_steps(monkeypatch: pytest.MonkeyPat
     assert resolve_names(["**.**.**.mlp"], names) == names
     # at most one component comparison per (pattern component, name component, module)
     assert calls[0] <= len(names) * (26 + 4) * 6
+
+
+def test_a_negative_index_is_never_answered_with_another_layer() -> None:
+    names = ["", "model", "model.layers", *[f"model.layers.{i}" for i in range(3)]]
+    with pytest.raises(UnknownModuleError) as caught:
+        resolve_names(["model.layers.-1"], names)
+    assert "'model.layers' has 0..2, not -1" in str(caught.value)
+    assert "did you mean" not in str(caught.value)

@@ -1,7 +1,8 @@
-"""The ``lightning-iocatch`` command: list capturable modules, inspect a dump, redraw figures.
+"""The ``lightning-iocatch`` command: list modules, inspect or export a dump, redraw figures.
 
     lightning-iocatch modules TARGET [--spec SPEC]   # TARGET: package.module:attribute
     lightning-iocatch inspect PATH [--expected N] [--dataloader-idx I] [--verify]
+    lightning-iocatch export STORE OUT [--keys K ...] [--layout columns|saelens] [--hook-name NAME]
     lightning-iocatch plot METRICS [--out DIR]
 
 Also ``python -m lightning_iocatch``. Errors go to stderr in one line, with exit code 2
@@ -167,6 +168,22 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from lightning_iocatch.export import export_dataset
+
+    out = export_dataset(
+        args.store,
+        args.out,
+        keys=args.keys,
+        layout=args.layout,
+        hook_name=args.hook_name,
+        token_ids_key=args.token_ids_key,
+        dataloader_idx=args.dataloader_idx,
+    )
+    print(f"wrote {out} (read it with datasets.load_from_disk)")
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from lightning_iocatch.plots import read_metrics_csv, save_probe_figures
 
@@ -211,6 +228,30 @@ def _parser() -> argparse.ArgumentParser:
         help="check every shard's checksum first, before reading anything from the shards",
     )
     inspect_.set_defaults(run=_inspect)
+    export = commands.add_parser(
+        "export",
+        help="write a store as a Hugging Face datasets dataset",
+        description="Write the rows of a feature store as a Hugging Face `datasets` dataset "
+        "(Arrow, read it with datasets.load_from_disk): one column per key plus `index`, or "
+        "the layout SAELens reads for cached activations (--layout saelens). Needs `datasets`.",
+    )
+    export.add_argument("store", metavar="STORE", help="the directory FeatureWriter wrote")
+    export.add_argument("out", metavar="OUT", help="a new (or empty) directory for the dataset")
+    export.add_argument("--keys", nargs="+", metavar="K", help="keys to export (default: all)")
+    export.add_argument(
+        "--layout",
+        choices=["columns", "saelens"],
+        default="columns",
+        help="one column per key (default), or SAELens' cached-activations layout",
+    )
+    export.add_argument(
+        "--hook-name", help="saelens: the activation column's name (SAELens' hook_name)"
+    )
+    export.add_argument(
+        "--token-ids-key", help="saelens: the integer key of the token ids (default: detected)"
+    )
+    export.add_argument("--dataloader-idx", type=_count, default=0, help="which dataloader")
+    export.set_defaults(run=_export)
     plot = commands.add_parser(
         "plot",
         help="redraw the probe figures from a CSVLogger metrics.csv",

@@ -19,6 +19,7 @@ CORE = [
     "compiled",
     "coordinator",
     "errors",
+    "export",
     "host_copy",
     "keys",
     "ledger",

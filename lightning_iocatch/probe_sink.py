@@ -6,7 +6,6 @@ The metrics themselves live in :mod:`lightning_iocatch.probes` (pure torchmetric
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,7 +13,7 @@ import torch
 from torchmetrics import Metric
 
 from lightning_iocatch.keys import flatten_captures, flatten_value
-from lightning_iocatch.probes.base import _gather_objects, usable
+from lightning_iocatch.probes.base import _gather_objects, _most_common_rows, _samples, usable
 from lightning_iocatch.sinks import BatchCaptures, CaptureSink
 
 if TYPE_CHECKING:
@@ -160,12 +159,10 @@ def _sample_count(batch: BatchCaptures, flat: dict[str, torch.Tensor]) -> int | 
     """The batch's number of samples: from its indices or padding flags where known, else
     the first dimension of its first tensor, else the most common first dimension of the
     captured floating tensors; ``None`` when nothing tells."""
-    if batch.indices is not None:
-        return len(batch.indices)
-    if batch.repeated is not None:
-        return len(batch.repeated)
+    known = _samples(batch.indices, batch.repeated)
+    if known is not None:
+        return known
     for _, tensor in flatten_value(batch.batch, ""):
         if tensor.dim() > 0:
             return tensor.shape[0]
-    firsts = Counter(t.shape[0] for t in flat.values() if usable(t, None))
-    return firsts.most_common(1)[0][0] if firsts else None
+    return _most_common_rows(flat)

@@ -108,10 +108,6 @@ def map_tensors(
     return other(obj)
 
 
-def _keep_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
 def _placeholder_unless_immutable(obj: Any) -> Any:
     return obj if isinstance(obj, _IMMUTABLE) else NotCaptured.of(obj)
 
@@ -181,8 +177,9 @@ def snapshot(
     placeholder for every object that is neither a tensor, a container of the kinds
     :func:`map_tensors` rebuilds, nor an immutable value.
     """
-    copied = map_tensors(obj, lambda tensor: _copy_tensor(tensor, device, dtype))
-    return map_tensors(copied, _keep_tensor, _placeholder_unless_immutable)
+    return map_tensors(
+        obj, lambda tensor: _copy_tensor(tensor, device, dtype), _placeholder_unless_immutable
+    )
 
 
 class CaptureTransfer:

@@ -3,7 +3,8 @@ the metric base class that agrees on data-dependent state shapes across processe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -59,6 +60,12 @@ def _samples(indices: Sequence[int] | None, repeated: Sequence[bool] | None) -> 
     if indices is not None:
         return len(indices)
     return len(repeated) if repeated is not None else None
+
+
+def _most_common_rows(features: Mapping[str, Tensor]) -> int | None:
+    """The most common first dimension of the usable tensors (the first seen on a tie)."""
+    counts = Counter(tensor.shape[0] for tensor in features.values() if usable(tensor, None))
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def _kept(repeated: Sequence[bool] | None, samples: int, device: torch.device) -> Tensor | None:

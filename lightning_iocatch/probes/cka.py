@@ -12,6 +12,7 @@ from lightning_iocatch.probes.base import (
     _cat,
     _check_pool,
     _kept,
+    _most_common_rows,
     _ProbeMetric,
     _samples,
     pool_features,
@@ -158,11 +159,3 @@ class LayerCKA(_ProbeMetric):
                 cross = centred[spans[a], spans[b]].norm() ** 2
                 result[f"cka/{a}~{b}"] = cross / (norms[a] * norms[b])
         return result
-
-
-def _most_common_rows(features: Mapping[str, Tensor]) -> int | None:
-    counts: dict[int, int] = {}
-    for tensor in features.values():
-        if usable(tensor, None):
-            counts[tensor.shape[0]] = counts.get(tensor.shape[0], 0) + 1
-    return max(counts, key=counts.__getitem__) if counts else None

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -336,16 +335,7 @@ def ddp_main(out: Path, weights: Path) -> None:
         start = time.monotonic()
         try:
             writer = FeatureWriter(out / name, mode=mode, max_shard_bytes=SHARD_BYTES)  # type: ignore[arg-type]
-            fit = pl.Trainer(
-                accelerator="cpu",
-                devices=2,
-                strategy="ddp",
-                logger=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                enable_checkpointing=False,
-                callbacks=[IOCaptureCallback(SPEC, writer=writer)],
-            )
+            fit = trainer([IOCaptureCallback(SPEC, writer=writer)], devices=2, strategy="ddp")
             module = Dump(weights, kill_at_batch=patch.get("kill_at_batch"))
             error = None
             fit.predict(module, indexed_loader(batch_size), return_predictions=False)

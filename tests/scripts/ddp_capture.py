@@ -16,22 +16,14 @@ import torch
 from lightning_iocatch import IOCaptureCallback
 from tests.conftest import hook_count
 from tests.lightning_models import TinyModule, loader
+from tests.lightning_models import trainer as quiet_trainer
 
 
 def main(out_dir: Path) -> None:
     pl.seed_everything(0)
     module = TinyModule()
     callback = IOCaptureCallback("outputs[model.layers.1]", early_exit=True)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[callback],
-    )
+    trainer = quiet_trainer([callback], devices=2, strategy="ddp")
     batches = trainer.predict(module, loader(21, 4))
     tail_calls_in_predict = module.model.tail.calls
     trainer.validate(module, loader(20, 4), verbose=False)

@@ -259,6 +259,11 @@ class FeatureStore:
     def __len__(self) -> int:
         return int(self._row_indices.numel())
 
+    def stored_batches(self) -> list[StoredBatch]:
+        """This dataloader's stored batches in commit order (rank, shard sequence number,
+        position), each with the rows read from it (``keep``; see ``on_duplicate``)."""
+        return list(self._batches)
+
     def duplicated_indices(self) -> list[int]:
         """Dataset indices stored more than once (a sound store has none).
 

@@ -74,9 +74,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import read_ledger_entries
 from lightning_iocatch.store import FeatureStore, OnDuplicate
-from lightning_iocatch.store_files import INDEX_KEY, check_own_path, shard_rank_and_seq
+from lightning_iocatch.store_files import INDEX_KEY
 
 __all__ = ["INDEX", "StoreRows"]
 
@@ -272,45 +271,19 @@ def _generator(*parts: int) -> torch.Generator:
 
 
 def _layout(store: FeatureStore, keys: Sequence[str], incomplete: Incomplete) -> list[_Block]:
-    """The blocks of the rows holding every key, in (rank, shard, batch) order, from the
-    ledgers and the shards' headers; an index stored twice is read from its first commit in
-    that order, as ``store`` reads it, and the counts are checked against ``store``'s."""
-    root, duplicates, mine = store.path, bool(store.duplicated_indices()), store.dataloader_idx
-    entries = sorted(
-        read_ledger_entries(root), key=lambda e: shard_rank_and_seq(e.record.file) or (-1, -1)
-    )
-    found: list[tuple[Path, int, set[str], int, torch.Tensor | None]] = []
-    for entry in entries:
-        batches, shard = entry.record.batches, check_own_path(root, entry.record.file)
-        try:
-            with safe_open(shard, framework="pt") as handle:
-                names = set(handle.keys())
-                for j in (j for j, batch in enumerate(batches) if batch.dataloader_idx == mine):
-                    held = {key for key in keys if f"b{j}/{key}" in names}
-                    index = handle.get_tensor(f"b{j}/{INDEX_KEY}") if duplicates else None
-                    found.append((shard, j, held, batches[j].rows, index))
-        except SafetensorError as error:
-            raise StoreError(f"shard {shard} is corrupted: {error}") from error
-    keeps: list[torch.Tensor | None] = [None] * len(found)
-    if duplicates:
-        indices = [index for *_, index in found if index is not None]  # all, here
-        every = torch.cat(indices)
-        order = torch.argsort(every, stable=True)  # the first commit first among equals
-        first = torch.ones_like(every, dtype=torch.bool)
-        first[1:] = every[order][1:] != every[order][:-1]
-        kept = torch.zeros_like(first).index_fill_(0, order[first], True)
-        keeps = [m.nonzero().flatten() for m in kept.split([len(i) for i in indices])]
+    """The blocks of the rows holding every key, in commit order, each with the rows
+    ``store`` reads from it (an index stored twice is read from its first commit)."""
     counts, blocks = dict.fromkeys(keys, 0), []
-    for (shard, position, held, rows, _), keep in zip(found, keeps, strict=True):
-        rows = rows if keep is None else len(keep)
+    for batch in store.stored_batches():
+        held = [key for key in keys if key in batch.shapes]
+        keep = None if batch.keep is None else batch.keep.nonzero().flatten()
+        rows = batch.indices.numel() if keep is None else keep.numel()
         for key in held:
             counts[key] += rows
         if len(held) == len(keys) and rows:
-            blocks.append(_Block(shard, position, rows, keep))
+            blocks.append(_Block(batch.shard, batch.position, rows, keep))
     complete = sum(block.rows for block in blocks)
     for key in keys:
-        if counts[key] != store.indices_of(key).numel():
-            raise StoreError(f"{root} changed while it was opened; open it again")
         if counts[key] != complete and incomplete == "error":
             raise StoreError(
                 f"{key!r} is stored for {counts[key]} rows, but only {complete} rows hold "

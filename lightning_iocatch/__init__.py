@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from lightning_iocatch.sinks import BatchCaptures, CaptureSink, MemorySink
     from lightning_iocatch.spec import CaptureSpec, format_io_spec, parse_io_spec
     from lightning_iocatch.store import FeatureStore
+    from lightning_iocatch.token_rows import TokenRows
     from lightning_iocatch.training_data import StoreRows
     from lightning_iocatch.transfer import NotCaptured, transfer_to_device
     from lightning_iocatch.writer import FeatureWriter
@@ -50,6 +51,7 @@ _HOMES = {
     "FeatureStore": "store",
     "StoreDataModule": "datamodule",
     "StoreRows": "training_data",
+    "TokenRows": "token_rows",
     "NotCaptured": "transfer",
     "transfer_to_device": "transfer",
     "FeatureWriter": "writer",
@@ -72,6 +74,7 @@ __all__ = [
     "StoreDataModule",
     "StoreError",
     "StoreRows",
+    "TokenRows",
     "UnknownModuleError",
     "format_io_spec",
     "parse_io_spec",

@@ -33,6 +33,7 @@ from lightning_iocatch.predict_route import PredictMember, join_predict_route, l
 from lightning_iocatch.probe_sink import ProbeSink
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.spec import CaptureSpec
+from lightning_iocatch.token_rows import TokenRows, TokenSelection
 from lightning_iocatch.writer import FeatureWriter
 
 __all__ = ["IOCaptureCallback"]
@@ -175,6 +176,8 @@ class IOCaptureCallback(Callback):
         self._leave_route: Callable[[], None] | None = None
         self._skip_step = False
         self._indexer: BatchIndexer | None = None
+        self._token_rows = _token_rows(sinks)
+        self._tokens: TokenSelection | None = None
 
     @property
     @override
@@ -221,6 +224,7 @@ class IOCaptureCallback(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         self._decide_skip(trainer, batch_idx, dataloader_idx)
+        self._select_tokens(batch)
 
     @override
     def on_validation_batch_end(
@@ -330,18 +334,29 @@ class IOCaptureCallback(Callback):
             sink.skip_batch("predict", dataloader_idx, indices) for sink in self._sinks
         )
 
+    def _select_tokens(self, batch: Any) -> None:
+        """Give the catcher this predict batch's token selection (a writer's ``tokens``)."""
+        self._tokens = None
+        if self._token_rows is None or self._session is None or self._stage != "predict":
+            return
+        if not self._skip_step:
+            self._tokens = self._token_rows.select(batch)
+        self._session.catcher.select_tokens(self._tokens)
+
     def _batch_end(
         self, stage: str, trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int
     ) -> None:
         if self._session is None or self._indexer is None or self._stage != stage:
             return
         captures = self._session.take()
+        tokens, self._tokens = self._tokens, None
+        self._session.catcher.select_tokens(None)
         if self._skip_step:
             return  # captured only because another callback needed the forward
         indices = self._indexer(trainer, batch_idx, dataloader_idx)
         repeated = self._indexer.repeated(batch_idx, dataloader_idx)
         record = BatchCaptures(
-            stage, batch_idx, dataloader_idx, captures, indices, batch, repeated=repeated
+            stage, batch_idx, dataloader_idx, captures, indices, batch, repeated, tokens
         )
         for sink in self._sinks:
             sink.on_batch(record)
@@ -362,6 +377,9 @@ class IOCaptureCallback(Callback):
         """Remove the hooks and restore ``predict_step``; safe to call at any time."""
         session, self._session, self._stage = self._session, None, None
         self._indexer = None
+        self._tokens = None
+        if self._catcher is not None:
+            self._catcher.select_tokens(None)
         leave_route, self._leave_route = self._leave_route, None
         self._skip_step = False
         try:
@@ -370,3 +388,15 @@ class IOCaptureCallback(Callback):
         finally:
             if session is not None:
                 session.close()
+
+
+def _token_rows(sinks: Sequence[CaptureSink]) -> TokenRows | None:
+    """The ``tokens`` of the callback's writers: one capture serves them all, so they agree."""
+    writers = [sink for sink in sinks if isinstance(sink, FeatureWriter)]
+    found = {repr(writer.tokens) for writer in writers}
+    if len(found) > 1:
+        raise ValueError(
+            "the writers of one IOCaptureCallback must have the same `tokens` (the callback "
+            "captures once for all of them); use one callback per kind of rows"
+        )
+    return writers[0].tokens if writers else None

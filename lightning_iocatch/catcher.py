@@ -26,6 +26,7 @@ from lightning_iocatch.compiled import prepare_for_hooks
 from lightning_iocatch.coordinator import COORDINATOR, ForwardCoordinator
 from lightning_iocatch.errors import CaptureError
 from lightning_iocatch.spec import WRAPPER_COMPONENTS, CaptureSpec, canonical_name, resolve_names
+from lightning_iocatch.token_rows import TokenSelection
 from lightning_iocatch.transfer import CaptureTransfer
 
 __all__ = ["CaptureBuffer", "CaptureSession", "ForwardCoordinator", "ModelIOCatcher"]
@@ -386,6 +387,18 @@ class ModelIOCatcher:
         """Close the open session, removing its hooks. Does nothing when none is open."""
         if self._session is not None:
             self._session.close()
+
+    def select_tokens(self, selection: TokenSelection | None) -> None:
+        """Capture only ``selection``'s tokens of sequence tensors from now on (``None``: all).
+
+        Set it for each batch, before its forward; see :mod:`lightning_iocatch.token_rows`.
+        """
+        if selection is not None and not isinstance(selection, TokenSelection):
+            raise TypeError(
+                "`selection` must be a TokenSelection (from TokenRows(...).select(batch)) or "
+                f"None, got {type(selection).__name__}"
+            )
+        self.transfer.tokens = selection
 
     @property
     def session(self) -> CaptureSession | None:

@@ -29,8 +29,9 @@ import torch
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.ledger import BatchRecord
 from lightning_iocatch.shard_file import STORABLE_DTYPES, dtype_name
-from lightning_iocatch.store_files import INDEX_KEY
+from lightning_iocatch.store_files import INDEX_KEY, POSITION_KEY, RESERVED_KEYS, TOKEN_ID_KEY
 from lightning_iocatch.store_plan import IndexSet, StorePlan
+from lightning_iocatch.token_rows import TokenSelection
 
 __all__ = ["RowSelector", "SelectedBatch"]
 
@@ -76,56 +77,93 @@ class RowSelector:
         batch_idx: int,
         repeated: Sequence[bool] | None,
         required: Collection[str],
+        tokens: TokenSelection | None = None,
     ) -> SelectedBatch | None:
         """The new rows of one batch (``None`` when it has none), marked as written.
 
         ``tensors`` by key, ``indices`` the dataset index of each sample; ``repeated`` marks
         samples that are padding; ``required`` names keys that must have a row per sample.
+        ``tokens``: the batch's token selection, whose selected tensors have one row per
+        token (see :mod:`lightning_iocatch.token_rows`); rows get its coordinates.
 
         Raises:
             StoreError: a tensor that cannot be stored (naming its key), or an index that is
                 not a non-negative integer.
         """
-        if INDEX_KEY in tensors:
-            raise StoreError(f"{INDEX_KEY!r} is the store's own key for dataset indices; rename it")
-        rows = len(indices)
+        reserved = sorted(set(RESERVED_KEYS) & set(tensors))
+        if reserved:
+            raise StoreError(f"{reserved[0]!r} is a key the store keeps for itself; rename it")
+        samples = len(indices)
         stored = {key: self._storable(key, tensor) for key, tensor in tensors.items()}
+        rows = samples if tokens is None else len(tokens)
+        if tokens is not None and len(tokens.shape) == 2 and tokens.shape[0] != samples:
+            raise StoreError(
+                f"the token selection is for a batch of {tokens.shape[0]} samples, but "
+                f"batch {batch_idx} has {samples} dataset indices"
+            )
+        has_rows = {
+            key: self._has_rows(tensors[key], tensor, rows, tokens)
+            for key, tensor in stored.items()
+        }
         for key in required:
-            tensor = stored.get(key)
-            if tensor is not None and not (tensor.dim() and tensor.shape[0] == rows):
+            if key in stored and not has_rows[key]:
+                shape = tuple(stored[key].shape)
                 raise StoreError(
-                    f"FeatureWriter stores one row per sample, but {key!r} has shape "
-                    f"{tuple(tensor.shape)} for a batch of {rows} samples; capture a module "
-                    "whose output has the batch dimension first"
+                    f"FeatureWriter stores one row per sample, but {key!r} has shape {shape} "
+                    f"for a batch of {samples} samples; capture a module whose output has the "
+                    "batch dimension first"
+                    if tokens is None
+                    else f"FeatureWriter stores token rows, but {key!r} was not a (batch, seq, "
+                    f"...) tensor of this batch's {tokens.shape} tokens (its copy has shape "
+                    f"{shape}); capture a module whose output is (batch, seq, ...)"
                 )
         keep = self._new_rows(dataloader_idx, batch_idx, indices, repeated)
         if not keep:
             return None
-        positions = list(keep)
-        select = torch.tensor(positions) if len(positions) < rows else None
-        batch = {INDEX_KEY: torch.tensor(list(keep.values()), dtype=torch.int64)}
-        per_batch: set[str] = set()
-        skipped: dict[str, str] = {}
-        for key, tensor in stored.items():
-            has_rows = bool(tensor.dim()) and tensor.shape[0] == rows
-            kind = self._kinds.setdefault(key, _ROWS if has_rows else _BATCH)
-            if kind == _BATCH:
-                batch[key] = tensor.contiguous()
-                per_batch.add(key)
-            elif has_rows:
-                batch[key] = tensor.index_select(0, select) if select is not None else tensor
-                batch[key] = batch[key].contiguous()
-            else:
-                skipped[key] = (
-                    f"shape {tuple(tensor.shape)} has no row per sample in a batch of {rows} "
-                    "samples, though earlier batches stored this key row by row"
-                )
         seen = self._seen.setdefault(dataloader_idx, IndexSet())
         for index in keep.values():
             seen.add(index)
+        sample = torch.arange(samples) if tokens is None else tokens.sample
+        kept = torch.zeros(samples, dtype=torch.bool)
+        kept[list(keep)] = True
+        by_position = torch.full((samples,), -1, dtype=torch.int64)
+        by_position[list(keep)] = torch.tensor(list(keep.values()), dtype=torch.int64)
+        select = kept[sample].nonzero().squeeze(1) if len(keep) < samples else None
+        if select is not None and not select.numel():
+            return None  # the new samples have no selected token
+        batch = {INDEX_KEY: by_position[sample if select is None else sample[select]]}
+        if tokens is not None:
+            stored.update(_coordinates(tokens))
+            has_rows.update(dict.fromkeys(_coordinates(tokens), True))
+        per_batch: set[str] = set()
+        skipped: dict[str, str] = {}
+        for key, tensor in stored.items():
+            kind = self._kinds.setdefault(key, _ROWS if has_rows[key] else _BATCH)
+            if kind == _BATCH:
+                batch[key] = tensor.contiguous()
+                per_batch.add(key)
+            elif has_rows[key]:
+                batch[key] = tensor.index_select(0, select) if select is not None else tensor
+                batch[key] = batch[key].contiguous()
+            else:
+                unit = "samples" if tokens is None else "selected tokens"
+                skipped[key] = (
+                    f"shape {tuple(tensor.shape)} has no row per "
+                    f"{unit.removesuffix('s')} in a batch of {rows} {unit}, though earlier "
+                    "batches stored this key row by row"
+                )
         nbytes = sum(tensor.numel() * tensor.element_size() for tensor in batch.values())
-        record = BatchRecord(dataloader_idx, batch_idx, len(keep))
+        record = BatchRecord(dataloader_idx, batch_idx, int(batch[INDEX_KEY].numel()))
         return SelectedBatch(record, batch, frozenset(per_batch), skipped, nbytes)
+
+    @staticmethod
+    def _has_rows(
+        captured: torch.Tensor, stored: torch.Tensor, rows: int, tokens: TokenSelection | None
+    ) -> bool:
+        """Whether a tensor has a row per row of the batch (a selected tensor, for tokens)."""
+        if tokens is not None and tokens.reduce is None:
+            return tokens.is_selected(captured)
+        return bool(stored.dim()) and stored.shape[0] == rows
 
     def _storable(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         problem = None
@@ -176,3 +214,13 @@ class RowSelector:
             keep[position] = index
             fresh.add(index)
         return keep
+
+
+def _coordinates(tokens: TokenSelection) -> dict[str, torch.Tensor]:
+    """The coordinate keys of a token selection's rows: position and token id, where known."""
+    coordinates = {}
+    if tokens.position is not None:
+        coordinates[POSITION_KEY] = tokens.position.to(torch.int32)
+    if tokens.token_id is not None:
+        coordinates[TOKEN_ID_KEY] = tokens.token_id
+    return coordinates

@@ -42,6 +42,7 @@ from lightning_iocatch.store_files import (
     shard_name,
 )
 from lightning_iocatch.store_plan import StorePlan
+from lightning_iocatch.token_rows import TokenSelection
 
 __all__ = ["ShardWriter"]
 
@@ -163,12 +164,16 @@ class ShardWriter:
         batch_idx: int = 0,
         repeated: Sequence[bool] | None = None,
         required: Collection[str] = (),
+        tokens: TokenSelection | None = None,
     ) -> int:
         """Queue one batch: ``tensors`` by key, ``indices`` the dataset index of each sample.
 
         ``repeated`` marks samples that are padding (not written); ``required`` names keys
-        that must have a row per sample. Returns the number of rows that will be written
-        (rows already committed or written are dropped). Blocks while the queue is full.
+        that must have a row per sample. ``tokens``: the batch's token selection, when the
+        tensors were captured with one (``catcher.select_tokens``): its selected tensors are
+        stored one row per token, with their coordinates (``__position__`` and
+        ``__token_id__`` keys). Returns the number of rows that will be written (rows of
+        samples already committed or written are dropped). Blocks while the queue is full.
 
         Raises:
             StoreError: a tensor that cannot be stored (naming its key), an index that is
@@ -184,6 +189,7 @@ class ShardWriter:
             batch_idx=batch_idx,
             repeated=repeated,
             required=required,
+            tokens=tokens,
         )
         if batch is None:
             return 0

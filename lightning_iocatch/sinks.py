@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning_iocatch.catcher import CaptureBuffer
+from lightning_iocatch.token_rows import TokenSelection
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -36,6 +37,8 @@ class BatchCaptures:
         repeated: per sample, whether it repeats a sample of this loop seen elsewhere (the
             padding a ``DistributedSampler`` adds so that every process gets as many
             samples); ``None`` where unknown.
+        tokens: the token selection the captures were made with (a writer's ``tokens``
+            in predict): selected tensors have one row per token; ``None`` otherwise.
     """
 
     stage: str
@@ -45,6 +48,7 @@ class BatchCaptures:
     indices: tuple[int, ...] | None = None
     batch: Any = None
     repeated: tuple[bool, ...] | None = None
+    tokens: TokenSelection | None = None
 
 
 class CaptureSink:

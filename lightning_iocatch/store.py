@@ -157,10 +157,12 @@ class FeatureStore:
         return batches
 
     def _find_duplicates(self, on_duplicate: OnDuplicate) -> list[int]:
+        """Dataset indices of more than one stored batch (the rows of a sample are stored
+        together: one row, or one per selected token)."""
         if not self._batches:
             return []
-        every = torch.cat([batch.indices for batch in self._batches])
-        values, counts = torch.unique(every, return_counts=True)
+        unique = [torch.unique(batch.indices) for batch in self._batches]
+        values, counts = torch.unique(torch.cat(unique), return_counts=True)
         duplicated = values[counts > 1]
         if not duplicated.numel():
             return []
@@ -179,17 +181,13 @@ class FeatureStore:
                 "FeatureStore(..., on_duplicate='first') to read each index from its first "
                 "commit, or `lightning-iocatch inspect` it"
             )
-        order = torch.argsort(every, stable=True)  # first commit first among equal indices
-        ordered = every[order]
-        first = torch.ones_like(ordered, dtype=torch.bool)
-        first[1:] = ordered[1:] != ordered[:-1]
-        keep = torch.zeros_like(every, dtype=torch.bool)
-        keep[order[first]] = True
-        sizes = [int(batch.indices.numel()) for batch in self._batches]
-        self._batches = [
-            dataclasses.replace(batch, keep=mask)
-            for batch, mask in zip(self._batches, keep.split(sizes), strict=True)
-        ]
+        seen = torch.zeros(int(values.max()) + 1, dtype=torch.bool)
+        batches = []
+        for batch, present in zip(self._batches, unique, strict=True):
+            keep = ~seen[batch.indices]  # rows of samples no earlier commit holds
+            seen[present] = True
+            batches.append(dataclasses.replace(batch, keep=keep))
+        self._batches = batches
         return [int(value) for value in duplicated.tolist()]
 
     def _key_dtypes(self) -> dict[str, set[str]]:

@@ -32,6 +32,9 @@ from lightning_iocatch.errors import StoreError
 __all__ = [
     "FORMAT",
     "INDEX_KEY",
+    "POSITION_KEY",
+    "RESERVED_KEYS",
+    "TOKEN_ID_KEY",
     "READABLE_FORMATS",
     "STORE_FILE",
     "check_own_path",
@@ -52,6 +55,10 @@ FORMAT = "lightning-iocatch-store/2"
 READABLE_FORMATS = ("lightning-iocatch-store/1", FORMAT)
 STORE_FILE = "store.json"
 INDEX_KEY = "__index__"
+# The coordinates of token rows (see lightning_iocatch.token_rows), stored as ordinary keys
+POSITION_KEY = "__position__"
+TOKEN_ID_KEY = "__token_id__"
+RESERVED_KEYS = (INDEX_KEY, POSITION_KEY, TOKEN_ID_KEY)
 _SHARD = re.compile(r"shard-r([0-9]{3,})-([0-9]{6,})\.safetensors(\.tmp)?", re.ASCII)
 _LEDGER = re.compile(r"ledger-r([0-9]{3,})\.jsonl", re.ASCII)
 _SERIALIZER_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}", re.ASCII)  # safetensors' save_file

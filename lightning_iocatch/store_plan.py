@@ -101,8 +101,8 @@ def prepare_store(path: Path, mode: Mode, settings: Mapping[str, Any]) -> StoreP
 
     ``"create"`` needs an empty or missing directory; ``"overwrite"`` deletes the store's
     own files there (nothing else); ``"resume"`` needs a store written with the same
-    ``settings`` (``spec``, ``stage``, ``dtype``; ``world_size`` may differ), completes or
-    cuts the ledgers' last lines, deletes the debris of the interrupted run, and reads
+    ``settings`` (``spec``, ``stage``, ``dtype``, ``tokens``; ``world_size`` may differ),
+    completes or cuts the ledgers' last lines, deletes the debris of the interrupted run, and reads
     which dataset indices are committed. ``settings`` go into a new ``store.json``.
 
     Raises:
@@ -146,7 +146,7 @@ def _resume(path: Path, settings: Mapping[str, Any]) -> StorePlan:
             f"nothing to resume in {path}: it holds no {STORE_FILE}; use mode='create'"
         )
     info = read_store_json(path)
-    for name in ("spec", "stage", "dtype"):
+    for name in ("spec", "stage", "dtype", "tokens"):
         had, now = info.get(name), settings.get(name)
         if name == "spec" and (had is None or now is None):
             continue  # a writer used without IOCaptureCallback knows no spec

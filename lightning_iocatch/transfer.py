@@ -22,6 +22,7 @@ import torch
 
 from lightning_iocatch.host_copy import CudaOps, HostCopier
 from lightning_iocatch.pinned_ring import StagedCopy
+from lightning_iocatch.token_rows import TokenSelection
 
 __all__ = [
     "CaptureTransfer",
@@ -189,6 +190,8 @@ class CaptureTransfer:
     ``pinned_bytes`` of pinned memory, in a way that cannot race with the model (see
     :mod:`lightning_iocatch.host_copy`); everything else is copied as
     :func:`transfer_to_device` does. ``pinned_bytes=0`` turns the asynchronous path off.
+    With ``tokens`` set, each tensor is first reduced to its selected tokens, on its own
+    device (see :mod:`lightning_iocatch.token_rows`).
     """
 
     def __init__(
@@ -205,16 +208,24 @@ class CaptureTransfer:
         self.dtype = dtype
         to_host = device is not None and device.type == "cpu"
         self.host = HostCopier(pinned_bytes, ops) if pinned_bytes and to_host else None
+        self.tokens: TokenSelection | None = None  # applied before any copy, where set
 
     def __call__(self, obj: Any) -> tuple[Any, list[StagedCopy]]:
         """``(copy of obj, pending)``: read the copy only once every pending copy is waited for."""
         pending: list[StagedCopy] = []
-        host = self.host
+        host, tokens = self.host, self.tokens
 
         def copy_one(tensor: torch.Tensor) -> torch.Tensor:
+            selected = tokens.apply(tensor) if tokens is not None else None
+            if selected is not None:
+                tensor = selected
             dtype = _target_dtype(tensor, self.dtype)
             if host is not None and host.accepts(tensor, dtype):
-                return host.copy(tensor, dtype, pending)
-            return _copy_tensor(tensor, self.device, self.dtype)
+                copied = host.copy(tensor, dtype, pending)
+            else:
+                copied = _copy_tensor(tensor, self.device, self.dtype)
+            if tokens is not None and selected is not None:
+                tokens.mark(copied)
+            return copied
 
         return map_tensors(obj, copy_one, _placeholder_unless_immutable), pending

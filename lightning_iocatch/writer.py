@@ -28,6 +28,7 @@ from lightning_iocatch.shard_writer import ShardWriter
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink
 from lightning_iocatch.store_files import read_store_json
 from lightning_iocatch.store_plan import MODES, Mode, StorePlan, prepare_store
+from lightning_iocatch.token_rows import TokenRows
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -65,6 +66,11 @@ class FeatureWriter(CaptureSink):
         stage: the loop whose captures are written: ``"predict"``, the one loop a dump
             runs once over the data (a validation loop runs every epoch, so its dump
             would be rewritten or refused each time: capture it with a sink of your own).
+        tokens: store one row per selected token of ``(batch, seq, ...)`` captures (or one
+            per sample, reduced over the selected tokens), with each row's position and
+            token id: a :class:`~lightning_iocatch.token_rows.TokenRows`. The callback
+            applies it as it captures, on the model's device, so every sink of the callback
+            gets token rows in predict.
 
     Memory: the writer holds at most one shard (``max_shard_bytes`` plus the batch that
     fills it) and ``queue_size + 1`` more batches, whatever the speed of the disk.
@@ -106,6 +112,7 @@ class FeatureWriter(CaptureSink):
         queue_size: int = 4,
         durable: bool = True,
         stage: str = "predict",
+        tokens: TokenRows | None = None,
     ) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"`path` must be a str or os.PathLike, got {type(path).__name__}")
@@ -125,6 +132,9 @@ class FeatureWriter(CaptureSink):
         self.queue_size = check_int("queue_size", queue_size, minimum=1)
         self.durable = check_bool("durable", durable)
         self.stage = stage
+        if tokens is not None and not isinstance(tokens, TokenRows):
+            raise TypeError(f"`tokens` must be a TokenRows or None, got {type(tokens).__name__}")
+        self.tokens = tokens
         self.spec: str | None = None  # set by IOCaptureCallback
         self._core: ShardWriter | None = None
         self._rows_before = self._bytes_before = 0
@@ -188,6 +198,7 @@ class FeatureWriter(CaptureSink):
                 "spec": self.spec,
                 "stage": self.stage,
                 "dtype": str(self.dtype).removeprefix("torch.") if self.dtype else None,
+                "tokens": self.tokens.settings() if self.tokens else None,
                 "world_size": trainer.world_size,
             }
             try:
@@ -217,6 +228,12 @@ class FeatureWriter(CaptureSink):
                 "FeatureWriter needs the dataset index of every sample, which Lightning records "
                 "for torch DataLoaders in trainer.predict; this batch came without them"
             )
+        if (self.tokens is None) != (batch.tokens is None):
+            raise StoreError(
+                f"FeatureWriter(tokens={self.tokens!r}) got a batch captured "
+                f"{'without' if batch.tokens is None else 'with'} a token selection; give the "
+                "writer to IOCaptureCallback(writer=...), which applies its `tokens`"
+            )
         tensors = _flatten(batch.captures)
         core.write(
             tensors,
@@ -225,6 +242,7 @@ class FeatureWriter(CaptureSink):
             batch_idx=batch.batch_idx,
             repeated=batch.repeated,
             required=[key for key in tensors if _WHOLE_OUTPUT.fullmatch(key)],
+            tokens=batch.tokens,
         )
 
     def _end(self, *, abort: bool) -> None:

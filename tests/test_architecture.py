@@ -33,6 +33,7 @@ CORE = [
     "store",
     "store_files",
     "store_plan",
+    "token_rows",
     "training_data",
     "transfer",
 ]

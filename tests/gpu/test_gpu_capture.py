@@ -184,3 +184,52 @@ def test_predict_dump_equals_the_synchronous_path(tmp_path: Path) -> None:
     assert stores["async"].keys() == stores["sync"].keys()
     for key in stores["sync"]:
         assert torch.equal(stores["async"][key], stores["sync"][key]), key
+
+
+class Tokens(pl.LightningModule):
+    """Embedding, a Linear whose output the next op overwrites in place, and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(100, 256)
+        self.proj = nn.Linear(256, 256)
+        self.head = nn.Linear(256, 4)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        hidden = self.proj(self.embed(batch["input_ids"]))
+        return self.head(hidden.mul_(3.0))  # in place, right after the captured module
+
+
+def test_token_rows_on_the_gpu_copy_only_selected_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_iocatch import TokenRows
+    from lightning_iocatch.host_copy import HostCopier
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (64, 32), generator=generator)
+    lengths = torch.randint(1, 33, (64,), generator=generator)
+    mask = (torch.arange(32)[None] < lengths[:, None]).long()
+    rows = [{"input_ids": i, "attention_mask": m} for i, m in zip(ids, mask, strict=True)]
+    copied: list[tuple[int, ...]] = []
+    real_copy = HostCopier.copy
+
+    def spy(self: Any, tensor: torch.Tensor, *args: Any) -> torch.Tensor:
+        copied.append(tuple(tensor.shape))
+        return real_copy(self, tensor, *args)
+
+    monkeypatch.setattr(HostCopier, "copy", spy)
+    writer = FeatureWriter(tmp_path, tokens=TokenRows(drop_first=True))
+    callback = IOCaptureCallback("outputs[proj]", writer=writer, pinned_memory_bytes=1 << 20)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, logger=False, callbacks=[callback])
+    module = Tokens()
+    trainer.predict(module, DataLoader(rows, batch_size=8), return_predictions=False)
+
+    module = module.cpu()
+    with torch.no_grad():
+        truth = module.proj(module.embed(ids))  # the CPU reference, token by token below
+    want = [truth[i, p] for i in range(64) for p in range(1, int(lengths[i]))]
+    store = FeatureStore(tmp_path)
+    torch.testing.assert_close(store["proj/outputs"], torch.stack(want), rtol=1e-4, atol=1e-5)
+    assert sum(shape[0] for shape in copied) == len(want)  # padding never left the GPU

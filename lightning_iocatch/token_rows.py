@@ -1,0 +1,256 @@
+"""Token rows: one stored row per selected token of a sequence batch, or one per sample.
+
+A language model's activations come as ``(batch, seq, ...)`` tensors, padding included.
+:class:`TokenRows` says which tokens of a batch are kept: by default those where the
+batch's ``attention_mask`` is 1 (or a ``mask(batch)`` function of your own), without the
+first position (``drop_first``, the BOS token) and without tokens whose id is in
+``drop_token_ids`` (special tokens). For each batch, :meth:`TokenRows.select` computes a
+:class:`TokenSelection` on the batch's device; the catcher applies it to every captured
+tensor whose first two dimensions are the batch's ``(batch, seq)``, *on the capture's
+device, before the copy to the host*, so a GPU never copies padding:
+
+- ``reduce=None``: ``(batch, seq, ...)`` becomes ``(tokens, ...)``, the selected tokens in
+  (sample, position) order. Each row's coordinates are its sample's dataset index, its
+  position in the sequence (:data:`~lightning_iocatch.store_files.POSITION_KEY`) and its
+  token id (:data:`~lightning_iocatch.store_files.TOKEN_ID_KEY`, where the batch has
+  ``input_ids`` or ``token_ids(batch)`` is given).
+- ``reduce="mean" | "first" | "last"``: floating ``(batch, seq, ...)`` tensors become
+  ``(batch, ...)``: the mean over the selected tokens, or the first or last selected token
+  (with its position and token id as coordinates). Means are computed in float32 at
+  least (float64 stays float64). A sample with no selected token gets NaN values and
+  position and token id -1. Other tensors are kept as they are.
+
+Tensors of other shapes (rotary tables of batch dimension 1, a pooled ``(batch, d)``
+output, decoding steps of ``generate()`` with another sequence length) are not selected.
+A sequence-first layout ``(seq, batch, ...)`` is not recognised.
+
+Example (a plain loop; :class:`~lightning_iocatch.FeatureWriter` does this for you):
+    >>> from torch import nn
+    >>> from lightning_iocatch.catcher import ModelIOCatcher
+    >>> embed = nn.Embedding(10, 2)
+    >>> batch = {"input_ids": torch.tensor([[1, 5, 6], [1, 7, 0]]),
+    ...          "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    >>> selection = TokenRows(drop_first=True).select(batch)
+    >>> catcher = ModelIOCatcher(embed, "cpu")
+    >>> with catcher(outputs=[""]) as buf:
+    ...     catcher.select_tokens(selection)
+    ...     _ = embed(batch["input_ids"])
+    >>> buf[""]["outputs"][0].shape  # 3 tokens: (0, 1), (0, 2), (1, 1)
+    torch.Size([3, 2])
+    >>> selection.sample.tolist(), selection.position.tolist(), selection.token_id.tolist()
+    ([0, 0, 1], [1, 2, 1], [5, 6, 7])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["REDUCTIONS", "Reduce", "TokenRows", "TokenSelection"]
+
+Reduce = Literal["mean", "first", "last"]
+REDUCTIONS = ("mean", "first", "last")
+
+
+def _function_name(fn: Callable[..., Any] | None, default: str) -> str:
+    if fn is None:
+        return default
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """Which tokens of a sequence batch become rows (see the module docstring).
+
+    Args:
+        mask: ``mask(batch) -> (batch, seq)`` tensor, true for the tokens to keep; default:
+            ``batch["attention_mask"]`` (the batch must then be a mapping holding it).
+        token_ids: ``token_ids(batch) -> (batch, seq)`` integer tensor recorded with each
+            row; default: ``batch["input_ids"]`` where the batch is a mapping holding it.
+        drop_first: drop position 0 of every sequence (the BOS token).
+        drop_token_ids: drop tokens with these ids (special tokens); needs token ids.
+        reduce: ``None`` for one row per token; ``"mean"``, ``"first"`` or ``"last"`` for
+            one row per sample.
+    """
+
+    mask: Callable[[Any], torch.Tensor] | None = None
+    token_ids: Callable[[Any], torch.Tensor] | None = None
+    drop_first: bool = False
+    drop_token_ids: Iterable[int] = ()
+    reduce: Reduce | None = None
+    _drop: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("mask", "token_ids"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"`{name}` must be a function of the batch, got {type(value).__name__}"
+                )
+        if not isinstance(self.drop_first, bool):
+            raise TypeError(f"`drop_first` must be True or False, got {self.drop_first!r}")
+        if isinstance(self.drop_token_ids, (str, bytes)) or not isinstance(
+            self.drop_token_ids, Iterable
+        ):
+            raise TypeError(f"`drop_token_ids` must be a set of ints, got {self.drop_token_ids!r}")
+        drop = tuple(sorted(set(self.drop_token_ids)))
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in drop):
+            raise TypeError(f"`drop_token_ids` must hold ints, got {drop!r}")
+        object.__setattr__(self, "_drop", drop)
+        if self.reduce is not None and self.reduce not in REDUCTIONS:
+            raise ValueError(f"`reduce` must be None or one of {REDUCTIONS}, got {self.reduce!r}")
+
+    def settings(self) -> dict[str, Any]:
+        """What a store records of this selection (a resume must use the same)."""
+        return {
+            "mask": _function_name(self.mask, "attention_mask"),
+            "token_ids": _function_name(self.token_ids, "input_ids"),
+            "drop_first": self.drop_first,
+            "drop_token_ids": list(self._drop),
+            "reduce": self.reduce,
+        }
+
+    def select(self, batch: Any) -> TokenSelection:
+        """The tokens of ``batch`` to keep, computed on the batch's device.
+
+        Raises:
+            ValueError: the batch has no mask or token ids where they are needed, or they
+                are not ``(batch, seq)`` tensors of one shape.
+        """
+        mask = self._mask(batch)
+        ids = self._token_ids(batch, needed=bool(self._drop))
+        if ids is not None and tuple(ids.shape) != tuple(mask.shape):
+            raise ValueError(
+                f"TokenRows: the token ids have shape {tuple(ids.shape)}, the mask "
+                f"{tuple(mask.shape)}; they must be the same (batch, seq)"
+            )
+        keep = mask.clone()
+        if self.drop_first and keep.shape[1]:
+            keep[:, 0] = False
+        if ids is not None and self._drop:
+            keep &= ~torch.isin(ids, torch.tensor(self._drop, device=ids.device))
+        return TokenSelection(keep, ids, self.reduce)
+
+    def _mask(self, batch: Any) -> torch.Tensor:
+        if self.mask is not None:
+            mask = self.mask(batch)
+            where = "`mask(batch)`"
+        elif isinstance(batch, Mapping) and "attention_mask" in batch:
+            mask, where = batch["attention_mask"], "batch['attention_mask']"
+        else:
+            raise ValueError(
+                "TokenRows selects tokens by the batch's 'attention_mask', but the batch is "
+                f"a {type(batch).__name__} without one; pass `mask=` a function of the batch, "
+                "e.g. TokenRows(mask=lambda batch: batch[1] == 1), or "
+                "mask=lambda batch: torch.ones_like(batch['input_ids'], dtype=torch.bool) "
+                "to keep every token"
+            )
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            shown = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"TokenRows: {where} must be a (batch, seq) tensor, got {shown}")
+        if mask.dtype != torch.bool:
+            if mask.is_floating_point() or mask.is_complex():
+                raise ValueError(f"TokenRows: {where} must be bool or integer, got {mask.dtype}")
+            mask = mask != 0
+        return mask
+
+    def _token_ids(self, batch: Any, *, needed: bool) -> torch.Tensor | None:
+        if self.token_ids is not None:
+            ids = self.token_ids(batch)
+        elif isinstance(batch, Mapping) and "input_ids" in batch:
+            ids = batch["input_ids"]
+        elif needed:
+            raise ValueError(
+                "TokenRows(drop_token_ids=...) needs the token ids: the batch has no "
+                "'input_ids'; pass `token_ids=` a function of the batch"
+            )
+        else:
+            return None
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+            raise ValueError(
+                f"TokenRows: the token ids must be a (batch, seq) integer tensor, got {ids!r:.80}"
+            )
+        return ids
+
+
+class TokenSelection:
+    """One batch's selected tokens: applied to captured tensors, with each row's coordinates.
+
+    Attributes (on the CPU, one entry per row):
+        sample: the row's position in the batch (``reduce=None``), or ``arange(batch)``.
+        position: the token's position in its sequence (``None`` for ``reduce="mean"``).
+        token_id: the token's id (``None`` without token ids or for ``reduce="mean"``).
+    """
+
+    def __init__(self, keep: torch.Tensor, ids: torch.Tensor | None, reduce: Reduce | None):
+        self.reduce = reduce
+        self.shape = tuple(keep.shape)
+        self._keep = keep
+        self._selected: list[torch.Tensor] = []
+        self._on_device: dict[tuple[torch.device, int], torch.Tensor] = {}
+        batch, seq = self.shape
+        if reduce is None:
+            self._where = keep.flatten().nonzero().squeeze(1)  # one device sync per batch
+            flat = self._where.cpu()
+            self.sample = flat // seq if seq else flat
+            self.position: torch.Tensor | None = flat % seq if seq else flat
+            self.token_id = None if ids is None else ids.flatten()[self._where].cpu()
+            return
+        self.sample = torch.arange(batch)
+        self._count = keep.sum(1)
+        self.position = None
+        self.token_id = None
+        if reduce == "mean":
+            return
+        order = torch.arange(seq, device=keep.device)
+        scores = torch.where(keep, order if reduce == "last" else seq - order, -1)
+        self._where = scores.argmax(1) if seq else torch.zeros_like(self._count)
+        empty = self._count == 0
+        self.position = torch.where(empty, -1, self._where).cpu()
+        if ids is not None:
+            picked = ids.gather(1, self._where[:, None]).squeeze(1) if seq else self._where
+            self.token_id = torch.where(empty, -1, picked).cpu()
+
+    def __len__(self) -> int:
+        """The number of rows each selected tensor gets."""
+        return int(self.sample.numel())
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """``tensor``'s selected rows (on its device), or ``None`` where it is not selected."""
+        if tensor.dim() < 2 or tuple(tensor.shape[:2]) != self.shape:
+            return None
+        tensor = tensor.detach()
+        if self.reduce is None:
+            return tensor.flatten(0, 1).index_select(0, self._on(tensor.device, self._where))
+        if not tensor.is_floating_point():
+            return None
+        keep = self._on(tensor.device, self._keep)
+        count = self._on(tensor.device, self._count)
+        trailing = (1,) * (tensor.dim() - 2)
+        if self.reduce == "mean":
+            wide = tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+            total = torch.where(keep.view(*self.shape, *trailing), wide, 0).sum(1)
+            return total / count.view(-1, *trailing).to(total.dtype)  # 0 / 0: NaN
+        where = self._on(tensor.device, self._where)
+        index = where.view(-1, 1, *trailing).expand(-1, 1, *tensor.shape[2:])
+        picked = tensor.gather(1, index).squeeze(1)
+        return torch.where((count == 0).view(-1, *trailing), torch.nan, picked)
+
+    def _on(self, device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device == device:
+            return tensor
+        key = (device, id(tensor))  # tensors this selection holds for its whole life
+        if key not in self._on_device:
+            self._on_device[key] = tensor.to(device)
+        return self._on_device[key]
+
+    def mark(self, copy: torch.Tensor) -> None:
+        """Record ``copy`` as the captured copy of a selected tensor."""
+        self._selected.append(copy)
+
+    def is_selected(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the captured copy of a selected tensor."""
+        return any(tensor is selected for selected in self._selected)

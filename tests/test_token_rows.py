@@ -1,0 +1,254 @@
+"""Token rows: a padded batch of a real Hugging Face decoder stored one row per token.
+
+The ground truth is Hugging Face's ``output_hidden_states`` selected token by token in
+Python loops (and NumPy float64 for means), never the library's own selection.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_iocatch.transfer as transfer_module
+from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreRows, TokenRows
+from lightning_iocatch.errors import StoreError
+from lightning_iocatch.ledger import read_ledgers
+from lightning_iocatch.store_files import POSITION_KEY, TOKEN_ID_KEY
+from tests.lightning_models import tiny_llama, trainer
+
+LAYER = "model.model.layers.1"
+KEY = f"{LAYER}/outputs"
+BOS, EOS, PAD = 1, 2, 0
+HIDDEN = 16
+
+
+class Sentences(Dataset[dict[str, torch.Tensor]]):
+    """Token ids of varying length: BOS, words, sometimes EOS (special tokens 0..2)."""
+
+    def __init__(self, count: int = 11) -> None:
+        generator = torch.Generator().manual_seed(3)
+        self.items = []
+        for i in range(count):
+            words = torch.randint(3, 64, (int(torch.randint(1, 8, (1,), generator=generator)),))
+            tail = [EOS] if i % 3 == 0 else []
+            self.items.append(torch.tensor([BOS, *words.tolist(), *tail]))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.items[index]}
+
+
+def pad(side: str = "right") -> Any:
+    """A collate function padding to the batch's longest sequence, like a tokenizer's."""
+
+    def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        width = max(len(item["input_ids"]) for item in items)
+        ids = torch.full((len(items), width), PAD)
+        mask = torch.zeros(len(items), width, dtype=torch.int64)
+        for row, item in enumerate(items):
+            n = len(item["input_ids"])
+            span = slice(0, n) if side == "right" else slice(width - n, width)
+            ids[row, span], mask[row, span] = item["input_ids"], 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    return collate
+
+
+class Decoder(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny_llama(num_hidden_layers=3, hidden_size=HIDDEN, intermediate_size=32)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        return self.model(**batch).logits
+
+
+def hidden_states(module: Decoder, loader: DataLoader[Any]) -> list[tuple[Any, torch.Tensor]]:
+    """Per batch of ``loader``: the batch and Hugging Face's output of layer 1."""
+    with torch.no_grad():
+        return [(b, module.model(**b, output_hidden_states=True).hidden_states[2]) for b in loader]
+
+
+def expected_tokens(batches: list[tuple[Any, torch.Tensor]], drop: set[int]) -> dict[str, Any]:
+    """Token by token: rows, dataset indices, positions and token ids (BOS dropped)."""
+    rows, index, position, token = [], [], [], []
+    start = 0
+    for batch, hidden in batches:
+        for i in range(len(hidden)):
+            for p in range(hidden.shape[1]):
+                tok = int(batch["input_ids"][i, p])
+                if batch["attention_mask"][i, p] and p != 0 and tok not in drop:
+                    rows.append(hidden[i, p])
+                    index.append(start + i)
+                    position.append(p)
+                    token.append(tok)
+        start += len(hidden)
+    return {"rows": torch.stack(rows), "index": index, "position": position, "token": token}
+
+
+def dump(path: Path, tokens: TokenRows, loader: DataLoader[Any], **writer: Any) -> None:
+    callback = IOCaptureCallback(
+        f"outputs[{LAYER}]", early_exit=True, writer=FeatureWriter(path, tokens=tokens, **writer)
+    )
+    trainer([callback]).predict(Decoder(), loader, return_predictions=False)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_token_rows_are_hugging_face_hidden_states_of_the_selected_tokens(
+    tmp_path: Path, side: str
+) -> None:
+    loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad(side))
+    tokens = TokenRows(drop_first=True, drop_token_ids={EOS})
+    dump(tmp_path, tokens, loader)
+
+    # drop_first drops position 0, which is padding in left-padded rows (their BOS stays)
+    truth = expected_tokens(hidden_states(Decoder(), loader), drop={EOS})
+    store = FeatureStore(tmp_path)
+    assert store.indices.tolist() == truth["index"]
+    assert torch.equal(store[KEY], truth["rows"])
+    assert store[POSITION_KEY].tolist() == truth["position"]
+    assert store[TOKEN_ID_KEY].tolist() == truth["token"]
+    assert store.metadata["tokens"]["drop_token_ids"] == [EOS]
+
+
+def test_a_dump_of_token_rows_holds_the_selected_bytes_plus_coordinates(tmp_path: Path) -> None:
+    loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad())
+    dump(tmp_path, TokenRows(), loader, max_shard_bytes=1 << 30)
+    (record,) = read_ledgers(tmp_path)
+    shard = tmp_path / record.file
+    header = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+    batches = [batch for _, batch in enumerate(loader)]
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    padded = sum(b["attention_mask"].numel() for b in batches)
+    coordinates = tokens * (8 + 4 + 8)  # dataset index int64, position int32, token id int64
+    assert shard.stat().st_size - header == tokens * HIDDEN * 4 + coordinates
+    assert tokens < 0.8 * padded  # padding, stored by a sequence-level dump, is left out
+
+
+def test_tokens_are_selected_before_the_copy_off_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copied: list[tuple[int, ...]] = []
+    real = transfer_module._copy_tensor
+
+    def spy(tensor: torch.Tensor, *args: Any) -> torch.Tensor:
+        copied.append(tuple(tensor.shape))
+        return real(tensor, *args)
+
+    monkeypatch.setattr(transfer_module, "_copy_tensor", spy)
+    loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad())
+    dump(tmp_path, TokenRows(), loader)
+    selected = [int(b["attention_mask"].sum()) for b in loader]
+    assert copied == [(n, HIDDEN) for n in selected]
+
+
+@pytest.mark.parametrize("reduce", ["mean", "first", "last"])
+def test_per_sample_reductions_equal_numpy_over_the_selected_tokens(
+    tmp_path: Path, reduce: str
+) -> None:
+    loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad("left"))
+    dump(tmp_path, TokenRows(drop_first=True, reduce=reduce), loader)  # type: ignore[arg-type]
+    store = FeatureStore(tmp_path)
+    rows, start = [], 0
+    for batch, hidden in hidden_states(Decoder(), loader):
+        for i in range(len(hidden)):
+            keep = [p for p in range(hidden.shape[1]) if batch["attention_mask"][i, p] and p]
+            values = hidden[i].double().numpy()
+            if not keep:
+                rows.append((start + i, np.full(HIDDEN, np.nan), -1, -1))
+                continue
+            p = keep[0] if reduce == "first" else keep[-1]
+            row = values[keep].mean(0) if reduce == "mean" else values[p]
+            rows.append((start + i, row, p, int(batch["input_ids"][i, p])))
+        start += len(hidden)
+    assert store.indices.tolist() == [r[0] for r in rows]
+    got = store[KEY].double().numpy()
+    np.testing.assert_allclose(got, np.stack([r[1] for r in rows]), rtol=1e-6, atol=1e-7)
+    if reduce == "mean":
+        assert POSITION_KEY not in store and TOKEN_ID_KEY not in store
+    else:
+        assert store[POSITION_KEY].tolist() == [r[2] for r in rows]
+        assert store[TOKEN_ID_KEY].tolist() == [r[3] for r in rows]
+
+
+def test_a_resume_with_another_batch_size_stores_every_token_once(tmp_path: Path) -> None:
+    data, tokens = Sentences(), TokenRows(drop_first=True)
+    first = DataLoader(data, batch_size=4, collate_fn=pad())
+    callback = IOCaptureCallback(f"outputs[{LAYER}]", writer=FeatureWriter(tmp_path, tokens=tokens))
+    trainer([callback], limit_predict_batches=1).predict(Decoder(), first)  # samples 0..3
+    again = DataLoader(data, batch_size=3, collate_fn=pad())  # 0..2 then 3..5: straddles
+    dump(tmp_path, tokens, again, mode="resume")
+
+    truth = expected_tokens(hidden_states(Decoder(), again), drop=set())
+    store = FeatureStore(tmp_path)
+    assert store.duplicated_indices() == [] and store.missing_indices() == []
+    assert store.indices.tolist() == truth["index"]
+    assert store[POSITION_KEY].tolist() == truth["position"]
+    torch.testing.assert_close(store[KEY], truth["rows"], rtol=1e-5, atol=1e-6)  # other padding
+
+
+def test_token_rows_stream_into_training_with_their_coordinates(tmp_path: Path) -> None:
+    loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad())
+    dump(tmp_path, TokenRows(), loader)
+    store = FeatureStore(tmp_path)
+    data = StoreRows(tmp_path, [KEY, POSITION_KEY], batch_size=5, with_indices=True)
+    read = list(DataLoader(data, batch_size=None))
+    got = sorted(
+        (int(i), int(p), tuple(r.tolist()))
+        for b in read
+        for i, p, r in zip(b["index"], b[POSITION_KEY], b[KEY], strict=True)
+    )
+    want = sorted(
+        (int(i), int(p), tuple(r.tolist()))
+        for i, p, r in zip(store.indices, store[POSITION_KEY], store[KEY], strict=True)
+    )
+    assert got == want and len(got) == len(store)
+
+
+def test_a_resume_with_another_token_selection_is_refused(tmp_path: Path) -> None:
+    loader = DataLoader(Sentences(4), batch_size=4, collate_fn=pad())
+    dump(tmp_path, TokenRows(), loader)
+    with pytest.raises(StoreError, match="tokens"):
+        dump(tmp_path, TokenRows(drop_first=True), loader, mode="resume")
+
+
+def test_a_batch_without_a_mask_is_refused_naming_the_fix() -> None:
+    ids = torch.ones(2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="without one; pass `mask=`"):
+        TokenRows().select((ids,))
+    with pytest.raises(ValueError, match="needs the token ids"):
+        TokenRows(mask=lambda batch: batch[0] > 0, drop_token_ids=[0]).select((ids,))
+    with pytest.raises(ValueError, match=r"must be a \(batch, seq\) tensor"):
+        TokenRows(mask=lambda batch: batch[0][0]).select((ids,))
+    with pytest.raises(ValueError, match="reduce"):
+        TokenRows(reduce="max")  # type: ignore[arg-type]
+
+
+def test_writers_of_one_callback_must_select_the_same_tokens(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="same `tokens`"):
+        IOCaptureCallback(
+            "outputs[x]",
+            writer=FeatureWriter(tmp_path / "a", tokens=TokenRows()),
+            sinks=[FeatureWriter(tmp_path / "b")],
+        )
+
+
+def test_a_store_of_token_rows_counts_a_sample_in_two_commits_as_duplicated(
+    tmp_path: Path,
+) -> None:
+    loader = DataLoader(Sentences(4), batch_size=2, collate_fn=pad())
+    dump(tmp_path / "a", TokenRows(), loader)
+    store = FeatureStore(tmp_path / "a")
+    assert store.duplicated_indices() == [] and len(set(store.indices.tolist())) == 4
+    assert len(store) == int(sum(b["attention_mask"].sum() for b in loader))
+    with safe_open(tmp_path / "a" / read_ledgers(tmp_path / "a")[0].file, "pt") as handle:
+        assert handle.get_tensor(f"b0/{POSITION_KEY}").dtype == torch.int32

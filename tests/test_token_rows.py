@@ -6,6 +6,9 @@ Python loops (and NumPy float64 for means), never the library's own selection.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,8 @@ class Sentences(Dataset[dict[str, torch.Tensor]]):
         generator = torch.Generator().manual_seed(3)
         self.items = []
         for i in range(count):
-            words = torch.randint(3, 64, (int(torch.randint(1, 8, (1,), generator=generator)),))
+            length = int(torch.randint(1, 8, (1,), generator=generator))
+            words = torch.randint(3, 64, (length,), generator=generator)
             tail = [EOS] if i % 3 == 0 else []
             self.items.append(torch.tensor([BOS, *words.tolist(), *tail]))
 
@@ -252,3 +256,41 @@ def test_a_store_of_token_rows_counts_a_sample_in_two_commits_as_duplicated(
     assert len(store) == int(sum(b["attention_mask"].sum() for b in loader))
     with safe_open(tmp_path / "a" / read_ledgers(tmp_path / "a")[0].file, "pt") as handle:
         assert handle.get_tensor(f"b0/{POSITION_KEY}").dtype == torch.int32
+
+
+def test_token_rows_export_to_hugging_face_datasets_row_for_row(tmp_path: Path) -> None:
+    from datasets import load_from_disk
+
+    from lightning_iocatch.export import export_dataset
+
+    loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad())
+    dump(tmp_path / "store", TokenRows(drop_first=True), loader)
+    export_dataset(tmp_path / "store", tmp_path / "hf")
+    exported = load_from_disk(str(tmp_path / "hf")).with_format("torch")[:]
+    store = FeatureStore(tmp_path / "store")
+    assert exported["index"].tolist() == store.indices.tolist()  # one batch: commit order
+    assert exported[POSITION_KEY].tolist() == store[POSITION_KEY].tolist()
+    assert exported[TOKEN_ID_KEY].tolist() == store[TOKEN_ID_KEY].tolist()
+    assert torch.equal(exported[KEY], store[KEY])
+
+
+@pytest.mark.slow
+def test_a_two_process_ddp_dump_equals_one_process_token_for_token(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, str(root / "tests" / "scripts" / "dump_tokens.py"), str(tmp_path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad())
+    truth = expected_tokens(hidden_states(Decoder(), loader), drop={EOS})
+    store = FeatureStore(tmp_path)
+    assert store.metadata["ranks"] == [0, 1] and store.duplicated_indices() == []
+    assert store.indices.tolist() == truth["index"]
+    assert store[POSITION_KEY].tolist() == truth["position"]
+    assert store[TOKEN_ID_KEY].tolist() == truth["token"]
+    torch.testing.assert_close(store[KEY], truth["rows"], rtol=1e-5, atol=1e-6)  # other padding

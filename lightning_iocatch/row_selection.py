@@ -13,6 +13,11 @@ The rules a :class:`~lightning_iocatch.shard_writer.ShardWriter` applies through
   first stored (also across a resume): a key stored row by row that later arrives without
   a row per sample is not stored for that batch and is named, with the reason, in the
   record's ``skipped``. A key in ``required`` that lacks a row per sample is refused.
+- **Token rows.** With a batch's :class:`~lightning_iocatch.token_rows.TokenSelection`,
+  the tensors it selected have one row per selected token and are stored row by row,
+  each row with its sample's dataset index and the coordinate keys ``__position__`` and
+  ``__token_id__``; every other tensor is stored once per batch. A sample's rows are
+  kept or dropped together.
 - **Refused on the calling thread.** A tensor safetensors cannot store (sparse, nested,
   meta, or a dtype outside :data:`~lightning_iocatch.shard_file.STORABLE_DTYPES`) raises
   :class:`~lightning_iocatch.StoreError` naming its key.
@@ -96,7 +101,7 @@ class RowSelector:
         samples = len(indices)
         stored = {key: self._storable(key, tensor) for key, tensor in tensors.items()}
         rows = samples if tokens is None else len(tokens)
-        if tokens is not None and len(tokens.shape) == 2 and tokens.shape[0] != samples:
+        if tokens is not None and tokens.shape[0] != samples:
             raise StoreError(
                 f"the token selection is for a batch of {tokens.shape[0]} samples, but "
                 f"batch {batch_idx} has {samples} dataset indices"
@@ -133,8 +138,9 @@ class RowSelector:
             return None  # the new samples have no selected token
         batch = {INDEX_KEY: by_position[sample if select is None else sample[select]]}
         if tokens is not None:
-            stored.update(_coordinates(tokens))
-            has_rows.update(dict.fromkeys(_coordinates(tokens), True))
+            coordinates = _coordinates(tokens)
+            stored.update(coordinates)
+            has_rows.update(dict.fromkeys(coordinates, True))
         per_batch: set[str] = set()
         skipped: dict[str, str] = {}
         for key, tensor in stored.items():

@@ -131,7 +131,12 @@ def _inspect(args: argparse.Namespace) -> int:
     )
     print(f"store      {args.path}")
     print(f"spec       {meta.get('spec')}  (stage {meta.get('stage')}, dtype {meta.get('dtype')})")
-    print(f"rows       {len(store)}  ranks {meta['ranks']}  shards {len(meta['shards'])}")
+    tokens = meta.get("tokens")
+    samples = int(store.indices.unique().numel())
+    kind = f"token rows of {samples} samples" if tokens else "rows"
+    print(f"rows       {len(store)} {kind}  ranks {meta['ranks']}  shards {len(meta['shards'])}")
+    if tokens:
+        print(f"tokens     {', '.join(f'{k}={v}' for k, v in tokens.items())}")
     print(f"bytes      {meta['bytes']:,} in shards, {on_disk:,} on disk")
     print(f"libraries  {', '.join(f'{k} {v}' for k, v in meta.get('libraries', {}).items())}")
     if len(meta["dataloaders"]) > 1:
@@ -163,8 +168,9 @@ def _inspect(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
         return 1
-    upto = args.expected if args.expected is not None else len(store)
-    print(f"\nindices    complete: each of 0..{upto - 1} present exactly once")
+    upto = args.expected if args.expected is not None else samples
+    once = "in exactly one commit" if tokens else "exactly once"
+    print(f"\nindices    complete: each of 0..{upto - 1} present {once}")
     return 0
 
 

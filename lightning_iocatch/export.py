@@ -235,6 +235,12 @@ def _saelens_columns(
     hook_name: str | None,
     token_ids_key: str | None,
 ) -> list[_Column]:
+    if (meta.get("tokens") or {}).get("reduce", "") is None:
+        raise ExportError(
+            f"{path} holds token rows (FeatureWriter(tokens=...)), one row per token, while "
+            "layout='saelens' exports whole sequences of (context_size, d_in); export the token "
+            "rows with layout='columns', or dump the sequences without `tokens`"
+        )
     if token_ids_key is not None:  # checked first: it must not pass for the activations
         shape, dtype = _key_info(meta, path, token_ids_key)
         if dtype not in _INTEGER or len(shape) != 1:

@@ -145,7 +145,12 @@ class RowSelector:
         skipped: dict[str, str] = {}
         for key, tensor in stored.items():
             kind = self._kinds.setdefault(key, _ROWS if has_rows[key] else _BATCH)
-            if kind == _BATCH:
+            if kind == _BATCH and has_rows[key] and tokens is not None:
+                skipped[key] = (
+                    f"its {tokens.shape} leading dimensions made it token rows in a batch, "
+                    "though earlier batches stored this key once per batch"
+                )
+            elif kind == _BATCH:
                 batch[key] = tensor.contiguous()
                 per_batch.add(key)
             elif has_rows[key]:

@@ -316,13 +316,18 @@ class FeatureStore:
         """Yield ``(dataset_indices, tensor)`` per stored batch holding ``key``, in commit order.
 
         Reads every key, whatever its shapes: ``tensor`` has one row per index, or, for a
-        key stored once per batch (``metadata["per_batch"]``), is that batch's one tensor.
+        key stored once per batch (``metadata["per_batch"]``), is that batch's one tensor
+        and ``dataset_indices`` its samples, each once (also in a store of token rows).
         """
         self._check_key(key)
         for batch, tensor in self._stored(key):
             indices = batch.kept_indices
-            if indices.numel():
-                yield indices, tensor if key in batch.per_batch else batch.kept(tensor)
+            if not indices.numel():
+                continue
+            if key in batch.per_batch:  # the batch's samples, once each (also for token rows)
+                yield indices.unique_consecutive(), tensor
+            else:
+                yield indices, batch.kept(tensor)
 
     def _refuse_unless_rows(self, key: str) -> None:
         holders = self._holders(key)

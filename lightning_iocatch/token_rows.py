@@ -43,6 +43,9 @@ Example (a plain loop; :class:`~lightning_iocatch.FeatureWriter` does this for y
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -56,9 +59,14 @@ REDUCTIONS = ("mean", "first", "last")
 
 
 def _function_name(fn: Callable[..., Any] | None, default: str) -> str:
+    """How a store records a selection function: its name; a lambda by its source line."""
     if fn is None:
         return default
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    if "<lambda>" in name:  # every lambda has that name: tell them apart by their source
+        with contextlib.suppress(OSError, TypeError):
+            name += ": " + " ".join(inspect.getsource(fn).split())
+    return name
 
 
 @dataclass(frozen=True)
@@ -96,9 +104,14 @@ class TokenRows:
             self.drop_token_ids, Iterable
         ):
             raise TypeError(f"`drop_token_ids` must be a set of ints, got {self.drop_token_ids!r}")
-        drop = tuple(sorted(set(self.drop_token_ids)))
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in drop):
-            raise TypeError(f"`drop_token_ids` must hold ints, got {drop!r}")
+        try:
+            if any(isinstance(i, bool) for i in self.drop_token_ids):
+                raise TypeError
+            drop = tuple(sorted({operator.index(i) for i in self.drop_token_ids}))
+        except TypeError:
+            raise TypeError(
+                f"`drop_token_ids` must hold ints, got {self.drop_token_ids!r}"
+            ) from None
         object.__setattr__(self, "_drop", drop)
         if self.reduce is not None and self.reduce not in REDUCTIONS:
             raise ValueError(f"`reduce` must be None or one of {REDUCTIONS}, got {self.reduce!r}")
@@ -127,12 +140,25 @@ class TokenRows:
                 f"TokenRows: the token ids have shape {tuple(ids.shape)}, the mask "
                 f"{tuple(mask.shape)}; they must be the same (batch, seq)"
             )
+        ids = None if ids is None else ids.to(mask.device)
+        start = self._first_real_token(batch, mask)
         keep = mask.clone()
         if self.drop_first and keep.shape[1]:
-            keep[:, 0] = False
+            keep &= torch.arange(keep.shape[1], device=keep.device)[None] != start[:, None]
         if ids is not None and self._drop:
             keep &= ~torch.isin(ids, torch.tensor(self._drop, device=ids.device))
-        return TokenSelection(keep, ids, self.reduce)
+        return TokenSelection(keep, ids, self.reduce, start)
+
+    @staticmethod
+    def _first_real_token(batch: Any, mask: torch.Tensor) -> torch.Tensor:
+        """Per sample, the column of its first token that is not padding: where the batch's
+        ``attention_mask`` is first 1 (left padding), else 0."""
+        padding = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if not isinstance(padding, torch.Tensor) or tuple(padding.shape) != tuple(mask.shape):
+            return torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
+        if not mask.shape[1]:
+            return torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
+        return (padding.to(mask.device) != 0).int().argmax(1)
 
     def _mask(self, batch: Any) -> torch.Tensor:
         if self.mask is not None:
@@ -181,38 +207,46 @@ class TokenSelection:
 
     Attributes (on the CPU, one entry per row):
         sample: the row's position in the batch (``reduce=None``), or ``arange(batch)``.
-        position: the token's position in its sequence (``None`` for ``reduce="mean"``).
+        position: the token's position in its sequence, left padding not counted (``None``
+            for ``reduce="mean"``; -1 for a sample without a selected token).
         token_id: the token's id (``None`` without token ids or for ``reduce="mean"``).
     """
 
-    def __init__(self, keep: torch.Tensor, ids: torch.Tensor | None, reduce: Reduce | None):
+    def __init__(
+        self,
+        keep: torch.Tensor,
+        ids: torch.Tensor | None,
+        reduce: Reduce | None,
+        start: torch.Tensor | None = None,
+    ) -> None:
         self.reduce = reduce
         self.shape = tuple(keep.shape)
         self._keep = keep
         self._selected: list[torch.Tensor] = []
         self._on_device: dict[tuple[torch.device, int], torch.Tensor] = {}
         batch, seq = self.shape
+        start = torch.zeros(batch, dtype=torch.int64) if start is None else start.cpu()
+        self.position: torch.Tensor | None = None
+        self.token_id: torch.Tensor | None = None
         if reduce is None:
             self._where = keep.flatten().nonzero().squeeze(1)  # one device sync per batch
             flat = self._where.cpu()
             self.sample = flat // seq if seq else flat
-            self.position: torch.Tensor | None = flat % seq if seq else flat
+            self.position = flat % seq - start[self.sample] if seq else flat
             self.token_id = None if ids is None else ids.flatten()[self._where].cpu()
             return
         self.sample = torch.arange(batch)
         self._count = keep.sum(1)
-        self.position = None
-        self.token_id = None
-        if reduce == "mean":
+        if reduce == "mean" or not seq:
             return
         order = torch.arange(seq, device=keep.device)
         scores = torch.where(keep, order if reduce == "last" else seq - order, -1)
-        self._where = scores.argmax(1) if seq else torch.zeros_like(self._count)
-        empty = self._count == 0
-        self.position = torch.where(empty, -1, self._where).cpu()
+        self._where = scores.argmax(1)
+        empty = (self._count == 0).cpu()
+        self.position = torch.where(empty, -1, self._where.cpu() - start)
         if ids is not None:
-            picked = ids.gather(1, self._where[:, None]).squeeze(1) if seq else self._where
-            self.token_id = torch.where(empty, -1, picked).cpu()
+            picked = ids.gather(1, self._where[:, None]).squeeze(1).cpu()
+            self.token_id = torch.where(empty, -1, picked)
 
     def __len__(self) -> int:
         """The number of rows each selected tensor gets."""
@@ -227,6 +261,8 @@ class TokenSelection:
             return tensor.flatten(0, 1).index_select(0, self._on(tensor.device, self._where))
         if not tensor.is_floating_point():
             return None
+        if not self.shape[1]:  # no token at all: every sample is empty
+            return tensor.new_full((self.shape[0], *tensor.shape[2:]), torch.nan)
         keep = self._on(tensor.device, self._keep)
         count = self._on(tensor.device, self._count)
         trailing = (1,) * (tensor.dim() - 2)

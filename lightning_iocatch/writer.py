@@ -40,6 +40,14 @@ __all__ = ["FeatureWriter"]
 _WHOLE_OUTPUT = re.compile(r"[^/]*/outputs(@[0-9]+)?")
 
 
+def _required(key: str, tokens: bool) -> bool:
+    """Whether ``key`` must have a row per sample (per selected token, with token rows: only
+    for a module's first call; later calls, such as ``generate()``'s decoding steps with
+    one new token, are stored once per batch)."""
+    match = _WHOLE_OUTPUT.fullmatch(key)
+    return match is not None and not (tokens and match.group(1))
+
+
 def _flatten(captures: Mapping[str, Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     """Every captured tensor under its flat key; two values with one key are refused."""
     try:
@@ -177,8 +185,23 @@ class FeatureWriter(CaptureSink):
             self._write(self._core, batch)
 
     def on_loop_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == self.stage:
+        if stage != self.stage:
+            return
+        error: Exception | None = None
+        try:
             self._end(abort=False)
+        except Exception as caught:  # raised below, once every process has finished
+            error = caught
+        # Every process's shards are committed before predict returns on any of them, so
+        # the store can be read right after it (on rank 0, say).
+        everyone = trainer.strategy.reduce_boolean_decision(error is None, all=True)
+        if error is not None:
+            raise error
+        if not everyone:
+            raise StoreError(
+                f"the writer of another process failed at the end of the dump to {self.path}; "
+                "its own error says why"
+            )
 
     def on_exception(self, stage: str, exception: BaseException) -> None:
         if stage == self.stage:
@@ -241,7 +264,7 @@ class FeatureWriter(CaptureSink):
             dataloader_idx=batch.dataloader_idx,
             batch_idx=batch.batch_idx,
             repeated=batch.repeated,
-            required=[key for key in tensors if _WHOLE_OUTPUT.fullmatch(key)],
+            required=[key for key in tensors if _required(key, batch.tokens is not None)],
             tokens=batch.tokens,
         )
 

@@ -82,19 +82,31 @@ def hidden_states(module: Decoder, loader: DataLoader[Any]) -> list[tuple[Any, t
         return [(b, module.model(**b, output_hidden_states=True).hidden_states[2]) for b in loader]
 
 
-def expected_tokens(batches: list[tuple[Any, torch.Tensor]], drop: set[int]) -> dict[str, Any]:
-    """Token by token: rows, dataset indices, positions and token ids (BOS dropped)."""
+def first_real(mask: torch.Tensor) -> int:
+    """The column of a row's first real token (after left padding)."""
+    return next((p for p in range(len(mask)) if mask[p]), 0)
+
+
+def expected_tokens(
+    batches: list[tuple[Any, torch.Tensor]], drop: set[int], drop_first: bool = True
+) -> dict[str, Any]:
+    """Token by token: rows, dataset indices, positions (left padding not counted) and token
+    ids, without each sequence's first real token when ``drop_first``."""
     rows, index, position, token = [], [], [], []
     start = 0
     for batch, hidden in batches:
         for i in range(len(hidden)):
+            begin = first_real(batch["attention_mask"][i])
             for p in range(hidden.shape[1]):
                 tok = int(batch["input_ids"][i, p])
-                if batch["attention_mask"][i, p] and p != 0 and tok not in drop:
-                    rows.append(hidden[i, p])
-                    index.append(start + i)
-                    position.append(p)
-                    token.append(tok)
+                if not batch["attention_mask"][i, p] or tok in drop:
+                    continue
+                if drop_first and p == begin:
+                    continue
+                rows.append(hidden[i, p])
+                index.append(start + i)
+                position.append(p - begin)
+                token.append(tok)
         start += len(hidden)
     return {"rows": torch.stack(rows), "index": index, "position": position, "token": token}
 
@@ -114,7 +126,6 @@ def test_token_rows_are_hugging_face_hidden_states_of_the_selected_tokens(
     tokens = TokenRows(drop_first=True, drop_token_ids={EOS})
     dump(tmp_path, tokens, loader)
 
-    # drop_first drops position 0, which is padding in left-padded rows (their BOS stays)
     truth = expected_tokens(hidden_states(Decoder(), loader), drop={EOS})
     store = FeatureStore(tmp_path)
     assert store.indices.tolist() == truth["index"]
@@ -165,14 +176,16 @@ def test_per_sample_reductions_equal_numpy_over_the_selected_tokens(
     rows, start = [], 0
     for batch, hidden in hidden_states(Decoder(), loader):
         for i in range(len(hidden)):
-            keep = [p for p in range(hidden.shape[1]) if batch["attention_mask"][i, p] and p]
+            mask = batch["attention_mask"][i]
+            begin = first_real(mask)
+            keep = [p for p in range(hidden.shape[1]) if mask[p] and p != begin]
             values = hidden[i].double().numpy()
             if not keep:
                 rows.append((start + i, np.full(HIDDEN, np.nan), -1, -1))
                 continue
             p = keep[0] if reduce == "first" else keep[-1]
             row = values[keep].mean(0) if reduce == "mean" else values[p]
-            rows.append((start + i, row, p, int(batch["input_ids"][i, p])))
+            rows.append((start + i, row, p - begin, int(batch["input_ids"][i, p])))
         start += len(hidden)
     assert store.indices.tolist() == [r[0] for r in rows]
     got = store[KEY].double().numpy()
@@ -186,10 +199,10 @@ def test_per_sample_reductions_equal_numpy_over_the_selected_tokens(
 
 def test_a_resume_with_another_batch_size_stores_every_token_once(tmp_path: Path) -> None:
     data, tokens = Sentences(), TokenRows(drop_first=True)
-    first = DataLoader(data, batch_size=4, collate_fn=pad())
+    first = DataLoader(data, batch_size=4, collate_fn=pad("left"))
     callback = IOCaptureCallback(f"outputs[{LAYER}]", writer=FeatureWriter(tmp_path, tokens=tokens))
     trainer([callback], limit_predict_batches=1).predict(Decoder(), first)  # samples 0..3
-    again = DataLoader(data, batch_size=3, collate_fn=pad())  # 0..2 then 3..5: straddles
+    again = DataLoader(data, batch_size=3, collate_fn=pad("left"))  # 0..2, 3..5: straddles
     dump(tmp_path, tokens, again, mode="resume")
 
     truth = expected_tokens(hidden_states(Decoder(), again), drop=set())
@@ -290,7 +303,92 @@ def test_a_two_process_ddp_dump_equals_one_process_token_for_token(tmp_path: Pat
     truth = expected_tokens(hidden_states(Decoder(), loader), drop={EOS})
     store = FeatureStore(tmp_path)
     assert store.metadata["ranks"] == [0, 1] and store.duplicated_indices() == []
+    assert (tmp_path / "rows-seen-by-rank-0").read_text() == str(len(truth["index"]))
     assert store.indices.tolist() == truth["index"]
     assert store[POSITION_KEY].tolist() == truth["position"]
     assert store[TOKEN_ID_KEY].tolist() == truth["token"]
     torch.testing.assert_close(store[KEY], truth["rows"], rtol=1e-5, atol=1e-6)  # other padding
+
+
+def test_inspect_counts_samples_not_token_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_iocatch.cli import main
+
+    loader = DataLoader(Sentences(5), batch_size=2, collate_fn=pad())
+    dump(tmp_path, TokenRows(drop_first=True), loader)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = len(FeatureStore(tmp_path))
+    assert f"rows       {rows} token rows of 5 samples" in out
+    assert "drop_first=True" in out
+    assert "each of 0..4 present in exactly one commit" in out
+
+
+def test_the_saelens_layout_refuses_token_rows_naming_the_columns_layout(tmp_path: Path) -> None:
+    from lightning_iocatch.export import ExportError, export_dataset
+
+    dump(tmp_path / "store", TokenRows(), DataLoader(Sentences(4), batch_size=4, collate_fn=pad()))
+    with pytest.raises(ExportError, match="holds token rows.*layout='columns'"):
+        export_dataset(tmp_path / "store", tmp_path / "hf", layout="saelens")
+
+
+def test_a_batch_of_one_does_not_store_a_selected_rotary_table_as_its_per_batch_value(
+    tmp_path: Path,
+) -> None:
+    loader = DataLoader(Sentences(5), batch_size=2, collate_fn=pad())  # the last batch has 1
+    writer = FeatureWriter(tmp_path, tokens=TokenRows())
+    trainer([IOCaptureCallback(f"inputs[{LAYER}]", writer=writer)]).predict(Decoder(), loader)
+    rotary = f"{LAYER}/inputs/kwargs/position_embeddings/0"
+    store = FeatureStore(tmp_path)
+    assert store.metadata["per_batch"][rotary] == 2  # the batches of two, not the last one
+    assert "made it token rows in a batch" in store.metadata["skipped"][rotary]
+    for indices, table in store.batches(rotary):
+        assert len(indices) == 2 and table.shape[0] == 1  # the batch's samples, once each
+    truth = expected_tokens(
+        [(b, h) for b, h in zip(loader, inputs_of_layer(loader), strict=True)], set(), False
+    )
+    assert torch.equal(store[f"{LAYER}/inputs/args/0"], truth["rows"])
+
+
+def inputs_of_layer(loader: DataLoader[Any]) -> list[torch.Tensor]:
+    """Hugging Face's input of layer 1 (the output of layer 0), batch by batch."""
+    module = Decoder()
+    with torch.no_grad():
+        return [module.model(**b, output_hidden_states=True).hidden_states[1] for b in loader]
+
+
+def test_generate_stores_the_prompt_as_token_rows_and_decoding_steps_per_batch(
+    tmp_path: Path,
+) -> None:
+    class Generator(Decoder):
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+            return self.model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+    loader = DataLoader(Sentences(4), batch_size=4, collate_fn=pad("left"))
+    writer = FeatureWriter(tmp_path, tokens=TokenRows(drop_first=True))
+    trainer([IOCaptureCallback(f"outputs[{LAYER}]", writer=writer)]).predict(Generator(), loader)
+    store = FeatureStore(tmp_path)
+    assert store.metadata["per_batch"] == {f"{KEY}@1": 1, f"{KEY}@2": 1}  # 3 new tokens
+    (batch,) = list(loader)
+    position_ids = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)  # as generate() does
+    with torch.no_grad():
+        prompt = Decoder().model(**batch, position_ids=position_ids, output_hidden_states=True)
+    truth = expected_tokens([(batch, prompt.hidden_states[2])], set())
+    assert store[POSITION_KEY].tolist() == truth["position"]
+    torch.testing.assert_close(store[KEY], truth["rows"], rtol=1e-5, atol=1e-6)
+
+
+def test_first_and_last_of_empty_sequences_are_nan() -> None:
+    from lightning_iocatch.token_rows import TokenSelection
+
+    selection = TokenSelection(torch.ones(2, 0, dtype=torch.bool), None, "first")
+    out = selection.apply(torch.ones(2, 0, 3))
+    assert out is not None and out.shape == (2, 3) and bool(out.isnan().all())
+
+
+def test_two_mask_lambdas_are_told_apart_for_a_resume() -> None:
+    first = TokenRows(mask=lambda batch: batch["attention_mask"])
+    second = TokenRows(mask=lambda batch: batch["input_ids"] == 6)
+    assert first.settings()["mask"] != second.settings()["mask"]
+    assert TokenRows(drop_token_ids=np.array([2, 0])).settings()["drop_token_ids"] == [0, 2]

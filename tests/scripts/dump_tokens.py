@@ -3,18 +3,31 @@
     python tests/scripts/dump_tokens.py PATH
 
 11 sentences over 2 ranks in batches of 3: the DistributedSampler pads one rank with a
-repeated sample, which must not be stored twice.
+repeated sample, which must not be stored twice. Rank 0 reads the store right after
+predict returns and writes the number of rows it sees to PATH/rows-seen-by-rank-0.
 """
 
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from lightning_iocatch import FeatureWriter, IOCaptureCallback, TokenRows
+from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, TokenRows
 from tests.test_token_rows import EOS, LAYER, Decoder, Sentences, pad
+
+
+class SlowRank1(Decoder):
+    """Rank 1 is slow on its last batch: rank 0 ends predict first."""
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        if self.global_rank == 1 and batch_idx == 1:
+            time.sleep(2.0)
+        return super().predict_step(batch, batch_idx, dataloader_idx)
 
 
 def main() -> None:
@@ -31,7 +44,9 @@ def main() -> None:
         callbacks=[callback],
     )
     loader = DataLoader(Sentences(), batch_size=3, collate_fn=pad())
-    trainer.predict(Decoder(), loader, return_predictions=False)
+    trainer.predict(SlowRank1(), loader, return_predictions=False)
+    if trainer.global_rank == 0:  # read at once: the other rank's shards must be committed
+        Path(sys.argv[1], "rows-seen-by-rank-0").write_text(str(len(FeatureStore(sys.argv[1]))))
 
 
 if __name__ == "__main__":

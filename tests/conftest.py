@@ -1,6 +1,11 @@
-"""Tiny named models shared by the tests."""
+"""Tiny named models shared by the tests, and running a script in its own process."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,3 +49,20 @@ def blocks() -> Blocks:
 def hook_count(model: nn.Module) -> int:
     """Forward hooks and pre-hooks registered anywhere in ``model``."""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: Path | str, *args: str, timeout: float = 300) -> None:
+    """Run ``python script args...`` from the project root (importable as ``tests.``); fail
+    the test with the script's stderr if it fails."""
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]

@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import ROOT, run_script
 from tests.lightning_models import TinyModule, dataset, manual_outputs
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_ddp_predict_and_validate(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    script = ROOT / "tests" / "scripts" / "ddp_capture.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(ROOT / "tests" / "scripts" / "ddp_capture.py", str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     module = TinyModule()
     module.load_state_dict(ranks[0]["state_dict"])

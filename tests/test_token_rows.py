@@ -6,9 +6,6 @@ Python loops (and NumPy float64 for means), never the library's own selection.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, St
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.ledger import read_ledgers
 from lightning_iocatch.store_files import POSITION_KEY, TOKEN_ID_KEY
+from tests.conftest import ROOT, run_script
 from tests.lightning_models import tiny_llama, trainer
 
 LAYER = "model.model.layers.1"
@@ -289,16 +287,7 @@ def test_token_rows_export_to_hugging_face_datasets_row_for_row(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_a_two_process_ddp_dump_equals_one_process_token_for_token(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, str(root / "tests" / "scripts" / "dump_tokens.py"), str(tmp_path)],
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(ROOT / "tests" / "scripts" / "dump_tokens.py", str(tmp_path))
     loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad())
     truth = expected_tokens(hidden_states(Decoder(), loader), drop={EOS})
     store = FeatureStore(tmp_path)

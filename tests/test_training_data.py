@@ -31,6 +31,7 @@ from lightning_iocatch.datamodule import StoreDataModule
 from lightning_iocatch.shard_writer import ShardWriter
 from lightning_iocatch.store_plan import prepare_store
 from lightning_iocatch.training_data import INDEX, StoreRows
+from tests.conftest import run_script
 from tests.lightning_models import TinyModule, loader, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
@@ -335,15 +336,7 @@ def test_ranks_that_see_different_stores_all_raise(dumped: Path) -> None:
 
 @pytest.mark.slow
 def test_two_ddp_processes_read_every_row_once_per_epoch(dumped: Path, tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, __file__, str(dumped), str(tmp_path)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(__file__, str(dumped), str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [rank["sampler"] for rank in ranks] == ["_InfiniteConstantSampler"] * 2
     assert [rank["batches"] for rank in ranks] == [3, 3]  # 23 and 22 rows in batches of 11

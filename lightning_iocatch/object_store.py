@@ -11,9 +11,9 @@ appended ledger line) cannot be used there. A store at a prefix holds::
 
 The protocol, with every request made through the URL's fsspec filesystem:
 
-1. **Write the shard object completely.** It is uploaded as one object (fsspec's
-   ``autocommit=False``: for S3 a multipart upload completed by ``commit()``, so it appears
-   whole or not at all); on any failure the upload is discarded.
+1. **Write the shard object completely.** It is uploaded as plain fsspec writes upload
+   (for S3: one PUT, or a multipart upload for a shard over s3fs's block size, so it
+   appears whole or not at all); on any failure the upload is discarded.
 2. **Then write its commit record**, one small object in one request (a PUT is atomic on
    S3, GCS and Azure). The commit record is the commit point: a shard object without one
    does not exist. It names the shard, its size and CRC-32, its batches and keys.
@@ -141,27 +141,30 @@ def delete_objects(location: ObjectLocation, names: Iterable[str]) -> None:
 
 
 def write_shard_object(location: ObjectLocation, name: str, write: Callable[[IO[bytes]], T]) -> T:
-    """Upload the shard object ``name`` with ``write(handle)``; it appears only once complete.
+    """Upload the shard object ``name`` with ``write(handle)``, as plain fsspec writes do.
 
-    On any failure (``write`` raising included) the upload is discarded, and the error is
-    raised (an ``OSError`` as a :class:`StoreError` naming the object).
+    The upload is completed when the handle closes (for S3, one PUT, or a multipart upload
+    for shards over the filesystem's block size); on any failure, ``write`` raising
+    included, it is discarded instead (for S3: the multipart upload is aborted, and the
+    handle is marked closed so that nothing completes it later) and the error is raised,
+    an ``OSError`` as a :class:`StoreError` naming the object. A filesystem that shows an
+    object while it is written (``memory://``) leaves one without a commit record, which
+    counts for nothing and which resume deletes.
     """
-    path = location.path(name)
+    from fsspec.spec import AbstractBufferedFile
+
     try:
-        handle = location.fs.open(path, "wb", autocommit=False)
+        handle = location.fs.open(location.path(name), "wb")
     except OSError as error:
         raise remote_error("write", location.url_of(name), error) from error
     try:
         result = write(handle)
         handle.close()
-        handle.commit()
     except BaseException as error:
-        # Thrown away: `error` is raised; an object left behind has no commit record, and
-        # resume deletes it.
-        with contextlib.suppress(Exception):
-            handle.close()
         with contextlib.suppress(Exception):
             handle.discard()
+        if isinstance(handle, AbstractBufferedFile):
+            handle.closed = True  # never flushed nor completed by ``close`` or ``__del__``
         if isinstance(error, OSError):
             raise remote_error("write", location.url_of(name), error) from error
         raise

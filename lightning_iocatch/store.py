@@ -110,8 +110,8 @@ class FeatureStore:
         self._remote: dict[str, OpenedShard] = {}
         self._shards: dict[str, Path | RemoteShard] = {}
         if isinstance(location, ObjectLocation):
-            listing = list_objects(location)
             self._info = read_store_info(location)
+            listing = list_objects(location)
             entries = read_commit_entries(location, listing)
             self._remote = open_remote_shards(location, entries, listing)
             self._shards.update((name, opened.shard) for name, opened in self._remote.items())

@@ -12,6 +12,7 @@ ranks) reach it over the loopback address with :meth:`S3Server.storage_options`.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class S3Server:
         )
         from werkzeug.serving import make_server
 
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
         app = DomainDispatcherApplication(create_backend_app)
 
         def logged(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -105,14 +107,14 @@ class S3Server:
             "endpoint_url": self.endpoint,
             "key": key,
             "secret": secret,
-            "client_kwargs": {"region_name": "us-east-1"},
+            "client_kwargs": {"region_name": "eu-west-1"},
             "skip_instance_cache": True,
         }
 
     def make_bucket(self, name: str) -> None:
         import s3fs
 
-        s3fs.S3FileSystem(**self.storage_options()).mkdir(name, region_name="us-east-1")
+        s3fs.S3FileSystem(**self.storage_options()).mkdir(name)
 
     def taken(self) -> list[Request]:
         """The requests answered since the last call (and forget them)."""

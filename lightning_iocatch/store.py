@@ -12,26 +12,21 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import LedgerEntry, file_crc32, read_ledger_entries
-from lightning_iocatch.object_store import list_objects, read_commit_entries, read_store_info
-from lightning_iocatch.remote_shards import (
-    OpenedShard,
-    RemoteShard,
-    open_remote_shards,
-    read_tensors,
-    shard_crc32,
+from lightning_iocatch.ledger import LedgerEntry
+from lightning_iocatch.shard_access import (
+    open_committed,
+    read_header_and_indices,
+    read_shard_tensors,
+    shard_checksum,
 )
-from lightning_iocatch.shard_headers import StoredBatch, check_header, check_shards
+from lightning_iocatch.shard_headers import StoredBatch
 from lightning_iocatch.spec import close_names
-from lightning_iocatch.store_files import INDEX_KEY, read_store_json, shard_rank_and_seq
-from lightning_iocatch.store_fs import ObjectLocation, StoreLocation, resolve_location
+from lightning_iocatch.store_fs import StoreLocation, resolve_location
 
 __all__ = ["FeatureStore"]
 
@@ -107,20 +102,7 @@ class FeatureStore:
             raise TypeError(f"`verify` must be True or False, got {verify!r}")
         self.path: StoreLocation = location
         self.dataloader_idx = dataloader_idx
-        self._remote: dict[str, OpenedShard] = {}
-        self._shards: dict[str, Path | RemoteShard] = {}
-        if isinstance(location, ObjectLocation):
-            self._info = read_store_info(location)
-            listing = list_objects(location)
-            entries = read_commit_entries(location, listing)
-            self._remote = open_remote_shards(location, entries, listing)
-            self._shards.update((name, opened.shard) for name, opened in self._remote.items())
-        else:
-            self._info = read_store_json(location)
-            entries = sorted(
-                read_ledger_entries(location), key=lambda entry: _rank_and_seq(entry.record.file)
-            )
-            self._shards.update(check_shards(location, entries))
+        self._info, entries, self._shards, self._sources = open_committed(location)
         self._records = [entry.record for entry in entries]
         if verify:
             self.verify()
@@ -137,7 +119,7 @@ class FeatureStore:
             if any(b.dataloader_idx == dataloader_idx for b in entry.record.batches)
             for batch in self._read_batches(entry)
         ]
-        self._remote = {}  # the indices are kept in the batches
+        self._sources.clear()  # what they held is in the batches now
         self._duplicated = self._find_duplicates(on_duplicate)
         kept = [batch.kept_indices for batch in self._batches]
         self._row_indices = torch.cat(kept) if kept else torch.empty(0, dtype=torch.int64)
@@ -150,19 +132,7 @@ class FeatureStore:
         """This dataloader's batches of one shard, its header checked against the record."""
         record, shard = entry.record, self._shards[entry.record.file]
         mine = [p for p, b in enumerate(record.batches) if b.dataloader_idx == self.dataloader_idx]
-        if isinstance(shard, RemoteShard):  # checked and read by open_remote_shards
-            opened = self._remote[record.file]
-            stored, indices = opened.stored, {p: opened.indices[p] for p in mine}
-        else:
-            try:
-                with safe_open(shard, framework="pt") as handle:
-                    names = handle.keys()
-                    slices = {name: handle.get_slice(name) for name in names}
-                    header = {name: (s.get_dtype(), s.get_shape()) for name, s in slices.items()}
-                    stored = check_header(header, entry, shard)
-                    indices = {p: handle.get_tensor(f"b{p}/{INDEX_KEY}") for p in mine}
-            except SafetensorError as error:
-                raise StoreError(f"shard {shard} is corrupted: {error}") from error
+        stored, indices = read_header_and_indices(entry, self._sources[record.file], mine)
         batches = []
         for position, index in indices.items():
             if bool((index < 0).any()):
@@ -324,15 +294,8 @@ class FeatureStore:
         for shard, group in itertools.groupby(self._holders(key), key=lambda b: b.shard):
             batches = list(group)
             names = [f"b{b.position}/{key}" for b in batches]
-            if isinstance(shard, RemoteShard):
-                parts = list(zip(batches, read_tensors(shard, names).values(), strict=True))
-                yield from parts
-                continue
-            try:
-                with safe_open(shard, framework="pt") as handle:
-                    parts = [(b, handle.get_tensor(n)) for b, n in zip(batches, names, strict=True)]
-            except SafetensorError as error:
-                raise StoreError(f"shard {shard} is corrupted: {error}") from error
+            tensors = read_shard_tensors(shard, names)
+            parts = [(b, tensors[name]) for b, name in zip(batches, names, strict=True)]
             for batch, tensor in parts:
                 if tuple(tensor.shape) != batch.shapes[key]:  # the file changed since opening
                     raise StoreError(f"shard {shard} changed while it was read")
@@ -414,16 +377,8 @@ class FeatureStore:
         """Check every shard's CRC-32 against its ledger record (reads every byte)."""
         for record in self._records:
             shard = self._shards[record.file]
-            crc = shard_crc32(shard) if isinstance(shard, RemoteShard) else file_crc32(shard)
-            if crc != record.crc32:
+            if shard_checksum(shard) != record.crc32:
                 raise StoreError(f"shard {shard} does not match its checksum: it is corrupted")
 
     def __repr__(self) -> str:
         return f"FeatureStore({str(self.path)!r}, rows={len(self)}, keys={len(self._dtypes)})"
-
-
-def _rank_and_seq(name: str) -> tuple[int, int]:
-    named = shard_rank_and_seq(name)
-    if named is None:  # read_ledger_entries accepts shard names only
-        raise StoreError(f"{name!r} is not a shard name")
-    return named

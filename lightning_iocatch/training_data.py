@@ -69,12 +69,12 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.remote_shards import RemoteShard, read_rows
+from lightning_iocatch.remote_shards import RemoteShard
+from lightning_iocatch.shard_access import read_shard_rows
 from lightning_iocatch.store import FeatureStore, OnDuplicate
 from lightning_iocatch.store_files import INDEX_KEY
 
@@ -376,18 +376,9 @@ class _Reader:
         if block.keep is not None:  # rows low..high of the stored batch, then those kept
             wanted = block.keep[first:stop]
             low, high = int(wanted[0]), int(wanted[-1]) + 1
-        if isinstance(block.shard, RemoteShard):
-            read = read_rows(block.shard, names, low, high)
-            for key, name in zip(self._columns, names, strict=True):
-                rows[key] = read[name] if wanted is None else read[name][wanted - low]
-        else:
-            try:
-                with safe_open(block.shard, framework="pt") as handle:
-                    for key, name in zip(self._columns, names, strict=True):
-                        stored = handle.get_slice(name)[low:high]
-                        rows[key] = stored if wanted is None else stored[wanted - low]
-            except SafetensorError as error:
-                raise StoreError(f"shard {block.shard} is corrupted: {error}") from error
+        read = read_shard_rows(block.shard, names, low, high)
+        for key, name in zip(self._columns, names, strict=True):
+            rows[key] = read[name] if wanted is None else read[name][wanted - low]
         if any(part.shape[0] != stop - first for part in rows.values()):
             raise StoreError(f"shard {block.shard} changed while it was read")
         return rows

@@ -28,6 +28,7 @@ CORE = [
     "probes",
     "remote_shards",
     "row_selection",
+    "shard_access",
     "shard_file",
     "shard_headers",
     "shard_writer",

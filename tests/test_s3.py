@@ -28,9 +28,17 @@ from lightning_iocatch.cli import main
 from lightning_iocatch.ledger import read_ledgers
 from lightning_iocatch.store_plan import prepare_store
 from lightning_iocatch.training_data import StoreRows
-from tests.lightning_models import TinyModule, TinyNet, trainer
+from tests.lightning_models import trainer
 from tests.s3_server import S3Server, s3_available
-from tests.test_writer_resume import SHARD_BYTES, SPEC, Dump, N, indexed_loader, truth
+from tests.test_writer_resume import (
+    SHARD_BYTES,
+    SPEC,
+    Dump,
+    N,
+    indexed_loader,
+    save_weights,
+    truth,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:predict returned None")  # skipped batches
 
@@ -60,10 +68,7 @@ def bucket(server: S3Server) -> str:
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("weights") / "weights.pt"
-    torch.save(TinyModule(model=TinyNet(3)).state_dict(), path)
-    return path
+    return save_weights(tmp_path_factory.mktemp("weights"))
 
 
 def run_dump(url: str, options: dict[str, Any], weights: Path, *args: str) -> int:

@@ -1,7 +1,8 @@
 """The ``lightning-iocatch`` command: list modules, inspect or export a dump, redraw figures.
 
     lightning-iocatch modules TARGET [--spec SPEC]   # TARGET: package.module:attribute
-    lightning-iocatch inspect PATH [--expected N] [--dataloader-idx I] [--verify]
+    lightning-iocatch inspect PATH|URL [--expected N] [--dataloader-idx I] [--verify]
+                              [--storage-options JSON]
     lightning-iocatch export STORE OUT [--keys K ...] [--layout columns|saelens] [--hook-name NAME]
     lightning-iocatch plot METRICS [--out DIR]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -23,6 +25,7 @@ from torch import nn
 
 from lightning_iocatch.catcher import module_index
 from lightning_iocatch.errors import SpecError, StoreError, UnknownModuleError
+from lightning_iocatch.object_store import list_objects
 from lightning_iocatch.spec import CaptureSpec, resolve_names
 from lightning_iocatch.store import FeatureStore
 
@@ -119,16 +122,36 @@ def _example(index: dict[str, nn.Module]) -> str:
     return repr(names[min(len(names) - 1, 2)]) if names else "''"
 
 
+def _storage_options(text: str) -> dict[str, Any]:
+    """``--storage-options``: a JSON object of fsspec options."""
+    try:
+        options = json.loads(text)
+    except ValueError as error:
+        message = f"must be a JSON object, got {text!r} ({error})"
+        raise argparse.ArgumentTypeError(message) from error
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return options
+
+
 def _inspect(args: argparse.Namespace) -> int:
     store = FeatureStore(
-        args.path, dataloader_idx=args.dataloader_idx, on_duplicate="first", verify=args.verify
+        args.path,
+        dataloader_idx=args.dataloader_idx,
+        on_duplicate="first",
+        verify=args.verify,
+        storage_options=args.storage_options,
     )  # with --verify, every checksum is checked before a shard is read or a line printed
     meta = store.metadata
-    on_disk = sum(
-        entry.stat(follow_symlinks=False).st_size
-        for entry in os.scandir(args.path)
-        if entry.is_file(follow_symlinks=False)
-    )
+    if isinstance(store.path, Path):
+        on_disk = sum(
+            entry.stat(follow_symlinks=False).st_size
+            for entry in os.scandir(store.path)
+            if entry.is_file(follow_symlinks=False)
+        )
+        where = "on disk"
+    else:
+        on_disk, where = sum(list_objects(store.path).values()), "under the prefix"
     print(f"store      {args.path}")
     print(f"spec       {meta.get('spec')}  (stage {meta.get('stage')}, dtype {meta.get('dtype')})")
     tokens = meta.get("tokens")
@@ -137,7 +160,7 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"rows       {len(store)} {kind}  ranks {meta['ranks']}  shards {len(meta['shards'])}")
     if tokens:
         print(f"tokens     {', '.join(f'{k}={v}' for k, v in tokens.items())}")
-    print(f"bytes      {meta['bytes']:,} in shards, {on_disk:,} on disk")
+    print(f"bytes      {meta['bytes']:,} in shards, {on_disk:,} {where}")
     print(f"libraries  {', '.join(f'{k} {v}' for k, v in meta.get('libraries', {}).items())}")
     if len(meta["dataloaders"]) > 1:
         print(f"dataloader {args.dataloader_idx} of {meta['dataloaders']}")
@@ -223,7 +246,15 @@ def _parser() -> argparse.ArgumentParser:
         "feature store. Exit code 0: every dataset index present once; 1: an index is missing "
         "or duplicated; 2: the store cannot be read (damaged, not a store) or a bad argument.",
     )
-    inspect_.add_argument("path", metavar="PATH", help="the directory FeatureWriter wrote")
+    inspect_.add_argument(
+        "path", metavar="PATH", help="the directory FeatureWriter wrote, or its fsspec URL"
+    )
+    inspect_.add_argument(
+        "--storage-options",
+        type=_storage_options,
+        metavar="JSON",
+        help='fsspec options for a URL PATH, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
     inspect_.add_argument(
         "--expected", type=_count, help="the data set size (default: max index + 1)"
     )

@@ -11,8 +11,8 @@ reads its own share, by ``torch.distributed``'s rank.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -44,14 +44,15 @@ class StoreDataModule(pl.LightningDataModule):
     """Batches of a feature store's rows for ``Trainer.fit``: shuffled, each row once per epoch.
 
     Args:
-        path: the store directory.
+        path: the store directory, or its fsspec URL (``s3://bucket/run``).
         keys: the key or keys to read (each batch is a dict by key).
         batch_size: rows per batch, per process.
         num_workers: DataLoader worker processes per rank; each reads its own share.
         persistent_workers: keep the workers between epochs (they still get each epoch).
         pin_memory: pin batches for faster copies to the GPU.
         shuffle, seed, buffer_rows, drop_last, with_indices, dtype, incomplete,
-            on_duplicate, dataloader_idx: as :class:`~lightning_iocatch.training_data.StoreRows`'s.
+            on_duplicate, dataloader_idx, storage_options: as
+            :class:`~lightning_iocatch.training_data.StoreRows`'s.
 
     The store is opened (and every argument checked) here; at ``setup`` every rank checks
     that it sees the same rows of the store as rank 0, and all raise the same error if not.
@@ -95,6 +96,7 @@ class StoreDataModule(pl.LightningDataModule):
         incomplete: Incomplete = "error",
         on_duplicate: OnDuplicate = "error",
         dataloader_idx: int = 0,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.num_workers = check_int("num_workers", num_workers, minimum=0)
@@ -115,6 +117,7 @@ class StoreDataModule(pl.LightningDataModule):
             incomplete=incomplete,
             on_duplicate=on_duplicate,
             dataloader_idx=dataloader_idx,
+            storage_options=storage_options,
         )
 
     def setup(self, stage: str) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,6 +29,7 @@ import torch
 
 from lightning_iocatch.spec import close_names
 from lightning_iocatch.store import FeatureStore
+from lightning_iocatch.store_fs import StoreLocation
 
 if TYPE_CHECKING:
     from datasets import Features
@@ -80,6 +81,7 @@ def export_dataset(
     token_ids_key: str | None = None,
     batch_rows: int | None = None,
     dataloader_idx: int = 0,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write the rows of a feature store as a Hugging Face dataset that ``load_from_disk`` reads.
 
@@ -95,7 +97,8 @@ def export_dataset(
     them). A store holding an index twice is refused, as ``FeatureStore(path)`` refuses it.
 
     Args:
-        store_path: a directory :class:`~lightning_iocatch.FeatureWriter` wrote.
+        store_path: a directory :class:`~lightning_iocatch.FeatureWriter` wrote, or its fsspec
+            URL (with ``storage_options``).
         out_dir: where to save the dataset; must not exist or be an empty directory.
         keys: the store keys to export (default: every key). Each must have one row per
             sample with the same shape and dtype in every batch, and all of them must
@@ -144,8 +147,8 @@ def export_dataset(
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"`out_dir` {str(out)!r} exists and is not an empty directory")
-    store = FeatureStore(store_path, dataloader_idx=dataloader_idx)
-    if out.resolve().is_relative_to(store.path.resolve()):
+    store = FeatureStore(store_path, dataloader_idx=dataloader_idx, storage_options=storage_options)
+    if isinstance(store.path, Path) and out.resolve().is_relative_to(store.path.resolve()):
         raise ExportError(f"`out_dir` {str(out)!r} is inside the store; choose another directory")
     meta = store.metadata  # computed once: it walks every stored batch
     if layout == "columns":
@@ -170,7 +173,7 @@ def _require_datasets() -> None:
 # Choosing the columns: every check before anything is written
 
 
-def _key_info(meta: dict[str, Any], path: Path, key: str) -> tuple[tuple[int, ...], str]:
+def _key_info(meta: dict[str, Any], path: StoreLocation, key: str) -> tuple[tuple[int, ...], str]:
     """``(row shape, stored dtype)`` of a key that can be a column, else an ExportError."""
     if key not in meta["keys"]:
         close = close_names(key, meta["keys"], cutoff=0.5)
@@ -207,7 +210,9 @@ def _key_info(meta: dict[str, Any], path: Path, key: str) -> tuple[tuple[int, ..
     return shape, info["dtype"]
 
 
-def _plain_columns(meta: dict[str, Any], path: Path, keys: Sequence[str] | None) -> list[_Column]:
+def _plain_columns(
+    meta: dict[str, Any], path: StoreLocation, keys: Sequence[str] | None
+) -> list[_Column]:
     columns = []
     for key in _normalise_keys(meta, path, keys):
         shape, dtype = _key_info(meta, path, key)
@@ -215,7 +220,9 @@ def _plain_columns(meta: dict[str, Any], path: Path, keys: Sequence[str] | None)
     return columns
 
 
-def _normalise_keys(meta: dict[str, Any], path: Path, keys: Sequence[str] | None) -> list[str]:
+def _normalise_keys(
+    meta: dict[str, Any], path: StoreLocation, keys: Sequence[str] | None
+) -> list[str]:
     if keys is None:
         chosen = list(meta["keys"])
     elif isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
@@ -230,7 +237,7 @@ def _normalise_keys(meta: dict[str, Any], path: Path, keys: Sequence[str] | None
 
 def _saelens_columns(
     meta: dict[str, Any],
-    path: Path,
+    path: StoreLocation,
     keys: Sequence[str] | None,
     hook_name: str | None,
     token_ids_key: str | None,
@@ -278,7 +285,7 @@ def _saelens_columns(
 
 
 def _token_ids_key(
-    meta: dict[str, Any], path: Path, token_ids_key: str | None, context: int
+    meta: dict[str, Any], path: StoreLocation, token_ids_key: str | None, context: int
 ) -> str | None:
     """The key of the token ids: the one given (checked), or the only candidate, or None."""
     if token_ids_key is None:

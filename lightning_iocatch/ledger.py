@@ -213,15 +213,16 @@ def append_ledger(path: Path, record: ShardRecord) -> None:
 
 @dataclass(frozen=True)
 class LedgerEntry:
-    """A committed record and where it was read: the ledger file and its line number."""
+    """A committed record and where it was read: the ledger file and its line number, or
+    (``line`` 0) the URL of its commit record object on object storage."""
 
-    path: Path
+    path: Path | str
     line: int
     record: ShardRecord
 
     @property
     def where(self) -> str:
-        return f"{self.path} line {self.line}"
+        return f"{self.path} line {self.line}" if self.line else f"commit record {self.path}"
 
 
 @dataclass(frozen=True)

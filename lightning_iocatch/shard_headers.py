@@ -12,6 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from lightning_iocatch.errors import StoreError
 from lightning_iocatch.ledger import LedgerEntry
 from lightning_iocatch.shard_file import STORABLE_DTYPES, dtype_name
 from lightning_iocatch.store_files import INDEX_KEY, check_own_path
+
+if TYPE_CHECKING:
+    from lightning_iocatch.remote_shards import RemoteShard
 
 __all__ = ["StoredBatch", "check_header", "check_shards"]
 
@@ -30,9 +34,12 @@ _DTYPES["F8_E8M0"] = "float8_e8m0fnu"
 
 @dataclass(frozen=True)
 class StoredBatch:
-    """One stored batch of the store's dataloader, as its shard's header describes it."""
+    """One stored batch of the store's dataloader, as its shard's header describes it.
 
-    shard: Path
+    ``shard`` is the file of a local store, or the object of a store on object storage.
+    """
+
+    shard: Path | RemoteShard
     position: int
     shapes: dict[str, tuple[int, ...]]  # key -> stored shape (rows first, unless per batch)
     dtypes: dict[str, str]  # key -> dtype
@@ -79,7 +86,7 @@ def check_shards(root: Path, entries: list[LedgerEntry]) -> dict[str, Path]:
 
 
 def check_header(
-    header: dict[str, tuple[str, list[int]]], entry: LedgerEntry, shard: Path
+    header: dict[str, tuple[str, list[int]]], entry: LedgerEntry, shard: Path | str
 ) -> list[dict[str, tuple[int, ...]]]:
     """The shape of each key of each batch, once the header agrees with the ledger record."""
     record = entry.record

@@ -25,12 +25,13 @@ import sys
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.ledger import ShardRecord, append_ledger
+from lightning_iocatch.object_store import commit_shard, write_shard_object
 from lightning_iocatch.row_selection import RowSelector, SelectedBatch
 from lightning_iocatch.shard_file import dtype_name, write_safetensors
 from lightning_iocatch.store_files import (
@@ -41,6 +42,7 @@ from lightning_iocatch.store_files import (
     open_own_file,
     shard_name,
 )
+from lightning_iocatch.store_fs import ObjectLocation, resolve_location
 from lightning_iocatch.store_plan import StorePlan
 from lightning_iocatch.token_rows import TokenSelection
 
@@ -93,14 +95,16 @@ class ShardWriter:
     """Writes one process's batches into a store's shards and ledger, on a writer thread.
 
     Args:
-        path: the store directory, prepared by
+        path: the store directory or fsspec URL (``s3://bucket/run``), prepared by
             :func:`~lightning_iocatch.store_plan.prepare_store`.
         rank: this process's rank (names its shards and ledger).
         plan: what ``prepare_store`` returned (on any process).
         max_shard_bytes: a shard is written once its batches hold this many bytes.
         queue_size: batches waiting for the writer thread before :meth:`write` blocks.
-        durable: fsync each shard and the directory before its ledger line is written.
+        durable: fsync each shard and the directory before its ledger line is written
+            (local stores; on object storage a completed upload is durable).
         dtype: cast floating tensors to this dtype for storage.
+        storage_options: fsspec options for a URL ``path`` (credentials, endpoint).
 
     The thread starts with the first batch. Call :meth:`close` at the end (it writes what
     is queued and raises the thread's error, if any) or :meth:`abort` to stop at once.
@@ -122,7 +126,7 @@ class ShardWriter:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | ObjectLocation,
         *,
         rank: int,
         plan: StorePlan,
@@ -130,10 +134,11 @@ class ShardWriter:
         queue_size: int = 4,
         durable: bool = True,
         dtype: torch.dtype | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if sys.byteorder != "little":
             raise StoreError("the feature store format is little-endian; this machine is not")
-        self.path = Path(path)
+        self.path = resolve_location(path, storage_options)
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
         self.durable = durable
@@ -303,10 +308,34 @@ class ShardWriter:
 
     def _write_shard(self, batches: list[SelectedBatch]) -> None:
         name = shard_name(self.rank, self._next_seq)
-        tmp, final = self.path / (name + ".tmp"), self.path / name
+        if isinstance(self.path, ObjectLocation):
+            location = self.path
+            crc, size = write_shard_object(
+                location, name, lambda handle: _serialize(handle, batches, self.rank, self._cancel)
+            )
+            commit_shard(location, _record(name, self.rank, crc, size, batches))
+        else:
+            crc, size = self._write_file(self.path, name, batches)
+            try:
+                append_ledger(
+                    self.path / ledger_name(self.rank),
+                    _record(name, self.rank, crc, size, batches),
+                )
+            except OSError as error:
+                raise StoreError(
+                    f"shard {self.path / name} was written but its ledger line could not be: "
+                    f"{error}"
+                ) from error
+        self._next_seq += 1
+        self.rows_written += sum(batch.record.rows for batch in batches)
+        self.bytes_written += size
+
+    def _write_file(self, root: Path, name: str, batches: list[SelectedBatch]) -> tuple[int, int]:
+        """POSIX: write to ``.tmp``, fsync, rename, fsync the directory; CRC-32 and size."""
+        tmp, final = root / (name + ".tmp"), root / name
         created = False
         try:
-            with open_own_file(self.path, tmp.name, "xb") as handle:
+            with open_own_file(root, tmp.name, "xb") as handle:
                 created = True
                 crc, size = _serialize(handle, batches, self.rank, self._cancel)
                 if self.durable:
@@ -314,7 +343,7 @@ class ShardWriter:
             os.replace(tmp, final)
             created = False
             if self.durable:
-                fsync_dir(self.path)
+                fsync_dir(root)
         except BaseException as error:
             if created:
                 with contextlib.suppress(OSError):
@@ -322,32 +351,28 @@ class ShardWriter:
             if isinstance(error, OSError):
                 raise StoreError(f"could not write shard {final}: {error}") from error
             raise
-        skipped: dict[str, str] = {}
-        for batch in batches:
-            for key, reason in batch.skipped.items():
-                skipped.setdefault(key, reason)
-        record = ShardRecord(
-            file=name,
-            rank=self.rank,
-            bytes=size,
-            crc32=crc,
-            batches=tuple(batch.record for batch in batches),
-            keys={
-                key: dtype_name(tensor.dtype)
-                for batch in batches
-                for key, tensor in batch.tensors.items()
-                if key != INDEX_KEY
-            },
-            shapes=_shapes(batches),
-            per_batch=tuple(sorted(set().union(*(batch.per_batch for batch in batches)))),
-            skipped=skipped,
-        )
-        try:
-            append_ledger(self.path / ledger_name(self.rank), record)
-        except OSError as error:
-            raise StoreError(
-                f"shard {final} was written but its ledger line could not be: {error}"
-            ) from error
-        self._next_seq += 1
-        self.rows_written += sum(batch.record.rows for batch in batches)
-        self.bytes_written += size
+        return crc, size
+
+
+def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBatch]) -> ShardRecord:
+    """The ledger line (or commit record) of a shard of ``batches``."""
+    skipped: dict[str, str] = {}
+    for batch in batches:
+        for key, reason in batch.skipped.items():
+            skipped.setdefault(key, reason)
+    return ShardRecord(
+        file=name,
+        rank=rank,
+        bytes=size,
+        crc32=crc,
+        batches=tuple(batch.record for batch in batches),
+        keys={
+            key: dtype_name(tensor.dtype)
+            for batch in batches
+            for key, tensor in batch.tensors.items()
+            if key != INDEX_KEY
+        },
+        shapes=_shapes(batches),
+        per_batch=tuple(sorted(set().union(*(batch.per_batch for batch in batches)))),
+        skipped=skipped,
+    )

@@ -11,18 +11,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import LedgerEntry, file_crc32, read_ledger_entries
-from lightning_iocatch.shard_headers import StoredBatch, check_header, check_shards
+from lightning_iocatch.ledger import LedgerEntry
+from lightning_iocatch.shard_access import (
+    open_committed,
+    read_header_and_indices,
+    read_shard_tensors,
+    shard_checksum,
+)
+from lightning_iocatch.shard_headers import StoredBatch
 from lightning_iocatch.spec import close_names
-from lightning_iocatch.store_files import INDEX_KEY, read_store_json, shard_rank_and_seq
+from lightning_iocatch.store_fs import StoreLocation, resolve_location
 
 __all__ = ["FeatureStore"]
 
@@ -34,7 +38,10 @@ class FeatureStore:
     """A feature store on disk: ``store[key]`` is a tensor with one row per sample.
 
     Args:
-        path: the directory a :class:`~lightning_iocatch.FeatureWriter` wrote.
+        path: the directory a :class:`~lightning_iocatch.FeatureWriter` wrote, or its fsspec
+            URL (``s3://bucket/run``): then opening reads the commit records and each shard's
+            header with ranged requests, and a key's rows are read with ranged requests of
+            their tensors, never whole shards (see :mod:`lightning_iocatch.remote_shards`).
         dataloader_idx: which predict dataloader's captures to read; one the store does
             not hold is refused, naming those it holds.
         on_duplicate: what to do when the store holds a dataset index more than once (a
@@ -45,6 +52,7 @@ class FeatureStore:
             drops the later copies. :meth:`duplicated_indices` lists them either way.
         verify: check every shard's CRC-32 (reading every byte) before reading anything
             from the shards, as :meth:`verify` does.
+        storage_options: fsspec options for a URL ``path`` (credentials, endpoint, ...).
 
     What can be read:
 
@@ -81,9 +89,9 @@ class FeatureStore:
         dataloader_idx: int = 0,
         on_duplicate: OnDuplicate = "error",
         verify: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
-            raise TypeError(f"`path` must be a str or os.PathLike, got {type(path).__name__}")
+        location = resolve_location(path, storage_options)
         if type(dataloader_idx) is not int:
             raise TypeError(f"`dataloader_idx` must be an int, got {dataloader_idx!r}")
         if dataloader_idx < 0:
@@ -92,14 +100,10 @@ class FeatureStore:
             raise ValueError(f"`on_duplicate` must be one of {_ON_DUPLICATE}, got {on_duplicate!r}")
         if not isinstance(verify, bool):
             raise TypeError(f"`verify` must be True or False, got {verify!r}")
-        self.path = Path(path)
+        self.path: StoreLocation = location
         self.dataloader_idx = dataloader_idx
-        self._info = read_store_json(self.path)
-        entries = sorted(
-            read_ledger_entries(self.path), key=lambda entry: _rank_and_seq(entry.record.file)
-        )
+        self._info, entries, self._shards, self._sources = open_committed(location)
         self._records = [entry.record for entry in entries]
-        self._shards = check_shards(self.path, entries)
         if verify:
             self.verify()
         present = sorted({b.dataloader_idx for record in self._records for b in record.batches})
@@ -115,6 +119,7 @@ class FeatureStore:
             if any(b.dataloader_idx == dataloader_idx for b in entry.record.batches)
             for batch in self._read_batches(entry)
         ]
+        self._sources.clear()  # what they held is in the batches now
         self._duplicated = self._find_duplicates(on_duplicate)
         kept = [batch.kept_indices for batch in self._batches]
         self._row_indices = torch.cat(kept) if kept else torch.empty(0, dtype=torch.int64)
@@ -126,19 +131,8 @@ class FeatureStore:
     def _read_batches(self, entry: LedgerEntry) -> list[StoredBatch]:
         """This dataloader's batches of one shard, its header checked against the record."""
         record, shard = entry.record, self._shards[entry.record.file]
-        try:
-            with safe_open(shard, framework="pt") as handle:
-                names = handle.keys()
-                slices = {name: handle.get_slice(name) for name in names}
-                header = {name: (s.get_dtype(), s.get_shape()) for name, s in slices.items()}
-                stored = check_header(header, entry, shard)
-                indices = {
-                    position: handle.get_tensor(f"b{position}/{INDEX_KEY}")
-                    for position, batch in enumerate(record.batches)
-                    if batch.dataloader_idx == self.dataloader_idx
-                }
-        except SafetensorError as error:
-            raise StoreError(f"shard {shard} is corrupted: {error}") from error
+        mine = [p for p, b in enumerate(record.batches) if b.dataloader_idx == self.dataloader_idx]
+        stored, indices = read_header_and_indices(entry, self._sources[record.file], mine)
         batches = []
         for position, index in indices.items():
             if bool((index < 0).any()):
@@ -296,11 +290,10 @@ class FeatureStore:
     def _stored(self, key: str) -> Iterator[tuple[StoredBatch, torch.Tensor]]:
         """``key`` of every batch holding it, in commit order, opening each shard once."""
         for shard, group in itertools.groupby(self._holders(key), key=lambda b: b.shard):
-            try:
-                with safe_open(shard, framework="pt") as handle:
-                    parts = [(b, handle.get_tensor(f"b{b.position}/{key}")) for b in group]
-            except SafetensorError as error:
-                raise StoreError(f"shard {shard} is corrupted: {error}") from error
+            batches = list(group)
+            names = [f"b{b.position}/{key}" for b in batches]
+            tensors = read_shard_tensors(shard, names)
+            parts = [(b, tensors[name]) for b, name in zip(batches, names, strict=True)]
             for batch, tensor in parts:
                 if tuple(tensor.shape) != batch.shapes[key]:  # the file changed since opening
                     raise StoreError(f"shard {shard} changed while it was read")
@@ -387,15 +380,8 @@ class FeatureStore:
         """Check every shard's CRC-32 against its ledger record (reads every byte)."""
         for record in self._records:
             shard = self._shards[record.file]
-            if file_crc32(shard) != record.crc32:
+            if shard_checksum(shard) != record.crc32:
                 raise StoreError(f"shard {shard} does not match its checksum: it is corrupted")
 
     def __repr__(self) -> str:
         return f"FeatureStore({str(self.path)!r}, rows={len(self)}, keys={len(self._dtypes)})"
-
-
-def _rank_and_seq(name: str) -> tuple[int, int]:
-    named = shard_rank_and_seq(name)
-    if named is None:  # read_ledger_entries accepts shard names only
-        raise StoreError(f"{name!r} is not a shard name")
-    return named

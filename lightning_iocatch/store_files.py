@@ -38,6 +38,7 @@ __all__ = [
     "READABLE_FORMATS",
     "STORE_FILE",
     "check_own_path",
+    "check_store_json",
     "fsync_dir",
     "is_serializer_temp",
     "is_store_file",
@@ -232,6 +233,12 @@ def read_store_json(root: Path) -> dict[str, Any]:
             data = json.loads(handle.read().decode("utf-8"))
     except (OSError, ValueError) as error:
         raise StoreError(f"cannot read {path}: {error}") from error
+    return check_store_json(data, path)
+
+
+def check_store_json(data: Any, path: Path | str) -> dict[str, Any]:
+    """``data`` read from ``store.json`` at ``path``, once it is a store's metadata this
+    library reads; a :class:`StoreError` naming ``path`` and the problem otherwise."""
     if not isinstance(data, dict):
         raise StoreError(f"{path} is damaged: a JSON {type(data).__name__}, not an object")
     if data.get("format") not in READABLE_FORMATS:

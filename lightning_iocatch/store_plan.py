@@ -9,10 +9,11 @@ Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -22,7 +23,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import drop_torn_tail, read_ledger_entries
+from lightning_iocatch.ledger import LedgerEntry, drop_torn_tail, read_ledger_entries
+from lightning_iocatch.object_store import (
+    commit_rank_and_seq,
+    delete_objects,
+    is_own_object,
+    list_objects,
+    read_commit_entries,
+    read_store_info,
+    write_object,
+)
+from lightning_iocatch.remote_shards import open_remote_shards
 from lightning_iocatch.store_files import (
     FORMAT,
     INDEX_KEY,
@@ -36,6 +47,7 @@ from lightning_iocatch.store_files import (
     shard_rank_and_seq,
     write_json_atomic,
 )
+from lightning_iocatch.store_fs import ObjectLocation, StoreLocation, resolve_location
 
 __all__ = ["MODES", "IndexSet", "Mode", "StorePlan", "prepare_store"]
 
@@ -96,30 +108,40 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def prepare_store(path: Path, mode: Mode, settings: Mapping[str, Any]) -> StorePlan:
+def prepare_store(
+    path: str | os.PathLike[str] | ObjectLocation,
+    mode: Mode,
+    settings: Mapping[str, Any],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> StorePlan:
     """Make ``path`` ready for writing in ``mode``; call it on one process, before any writes.
 
     ``"create"`` needs an empty or missing directory; ``"overwrite"`` deletes the store's
     own files there (nothing else); ``"resume"`` needs a store written with the same
     ``settings`` (``spec``, ``stage``, ``dtype``, ``tokens``; ``world_size`` may differ),
-    completes or cuts the ledgers' last lines, deletes the debris of the interrupted run, and reads
-    which dataset indices are committed. ``settings`` go into a new ``store.json``.
+    completes or cuts the ledgers' last lines, deletes the debris of the interrupted run,
+    and reads which dataset indices are committed. ``settings`` go into a new ``store.json``.
+
+    ``path`` may be an fsspec URL (``s3://bucket/run``, with ``storage_options``): the same
+    rules on a prefix of object storage, with the protocol of
+    :mod:`lightning_iocatch.object_store` (an empty prefix for ``"create"``; the store's own
+    objects deleted, nothing else).
 
     Raises:
         StoreError: naming the path, what is wrong and the fix.
     """
+    location = resolve_location(path, storage_options)
+    if isinstance(location, ObjectLocation):
+        return _prepare_objects(location, mode, settings)
+    path = location
     try:
         if mode == "resume":
             return _resume(path, settings)
         path.mkdir(parents=True, exist_ok=True)
         names = _list_dir(path)
         if mode == "create" and names:
-            shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if names[3:] else "")
-            raise StoreError(
-                f"{path} is not empty; use FeatureWriter(..., mode='resume') to continue an "
-                f"interrupted dump there, mode='overwrite' to replace it, or another path "
-                f"(it holds {shown})"
-            )
+            _refuse_not_empty(path, names)
         if mode == "overwrite":
             for name in names:
                 if is_store_file(name):
@@ -128,24 +150,61 @@ def prepare_store(path: Path, mode: Mode, settings: Mapping[str, Any]) -> StoreP
                 elif _is_our_serializer_temp(path, name):
                     (path / name).unlink()
             fsync_dir(path)
-        info = {
-            "format": FORMAT,
-            **settings,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "libraries": _versions(),
-        }
-        write_json_atomic(path / STORE_FILE, info)
+        write_json_atomic(path / STORE_FILE, _store_json(settings))
         return StorePlan(read_store_json(path))
     except OSError as error:
         raise StoreError(f"cannot prepare the feature store {path}: {error}") from error
 
 
-def _resume(path: Path, settings: Mapping[str, Any]) -> StorePlan:
-    if not os.path.lexists(path / STORE_FILE):
+def _store_json(settings: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        **settings,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "libraries": _versions(),
+    }
+
+
+def _refuse_not_empty(path: StoreLocation, names: list[str]) -> None:
+    shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if names[3:] else "")
+    raise StoreError(
+        f"{path} is not empty; use FeatureWriter(..., mode='resume') to continue an "
+        f"interrupted dump there, mode='overwrite' to replace it, or another path "
+        f"(it holds {shown})"
+    )
+
+
+def _prepare_objects(
+    location: ObjectLocation, mode: Mode, settings: Mapping[str, Any]
+) -> StorePlan:
+    """:func:`prepare_store` on object storage (see :mod:`lightning_iocatch.object_store`)."""
+    if mode == "resume":
+        return _resume(location, settings)
+    listing = list_objects(location)
+    if mode == "create" and listing:
+        _refuse_not_empty(location, sorted(listing))
+    if mode == "overwrite":  # store.json first: a store cut short here is no store at all
+        delete_objects(location, [name for name in listing if name == STORE_FILE])
+        delete_objects(location, [name for name in listing if commit_rank_and_seq(name)])
+        delete_objects(
+            location,
+            [
+                n
+                for n in listing
+                if is_own_object(n) and n != STORE_FILE and not commit_rank_and_seq(n)
+            ],
+        )
+    data = json.dumps(_store_json(settings), indent=2, sort_keys=True).encode()
+    write_object(location, STORE_FILE, data)
+    return StorePlan(read_store_info(location))
+
+
+def _resume(path: StoreLocation, settings: Mapping[str, Any]) -> StorePlan:
+    if not _has_store_json(path):
         raise StoreError(
             f"nothing to resume in {path}: it holds no {STORE_FILE}; use mode='create'"
         )
-    info = read_store_json(path)
+    info = read_store_info(path)
     for name in ("spec", "stage", "dtype", "tokens"):
         had, now = info.get(name), settings.get(name)
         if name == "spec" and (had is None or now is None):
@@ -155,6 +214,43 @@ def _resume(path: Path, settings: Mapping[str, Any]) -> StorePlan:
                 f"{path} holds captures with {name} {had!r}, but this writer's {name} is "
                 f"{now!r}; resume with the same {name}, or write to another path"
             )
+    if isinstance(path, ObjectLocation):
+        entries, indices = _clean_objects(path)
+    else:
+        entries = _clean_files(path)
+        indices = _file_indices(path)
+    committed: dict[int, IndexSet] = {}
+    next_seq: dict[int, int] = {}
+    row_keys: set[str] = set()
+    batch_keys: set[str] = set()
+    for entry in entries:
+        record = entry.record
+        rank_seq = shard_rank_and_seq(record.file)
+        if rank_seq is not None:
+            next_seq[rank_seq[0]] = max(next_seq.get(rank_seq[0], 0), rank_seq[1] + 1)
+        for batch, index in zip(record.batches, indices(entry), strict=True):
+            seen = committed.setdefault(batch.dataloader_idx, IndexSet())
+            for value in index.tolist():
+                seen.add(value)
+        batch_keys.update(record.per_batch)
+        row_keys.update(key for key in record.keys if key not in record.per_batch)
+    return StorePlan(
+        store_json=info,
+        committed={dataloader: bytes(seen.bits) for dataloader, seen in committed.items()},
+        next_seq=next_seq,
+        row_keys=frozenset(row_keys - batch_keys),
+        batch_keys=frozenset(batch_keys),
+    )
+
+
+def _has_store_json(path: StoreLocation) -> bool:
+    if isinstance(path, ObjectLocation):
+        return STORE_FILE in list_objects(path)
+    return os.path.lexists(path / STORE_FILE)
+
+
+def _clean_files(path: Path) -> list[LedgerEntry]:
+    """Complete or cut the ledgers' last lines, delete the debris; the committed records."""
     names = _list_dir(path)
     for name in names:
         if ledger_rank(name) is not None:
@@ -171,41 +267,52 @@ def _resume(path: Path, settings: Mapping[str, Any]) -> StorePlan:
         elif _is_our_serializer_temp(path, name):
             (path / name).unlink()
     fsync_dir(path)
-    committed: dict[int, IndexSet] = {}
-    next_seq: dict[int, int] = {}
-    row_keys: set[str] = set()
-    batch_keys: set[str] = set()
-    for entry in entries:
+    return entries
+
+
+def _file_indices(path: Path) -> Callable[[LedgerEntry], list[torch.Tensor]]:
+    """Reads the dataset indices of each batch of a committed local shard."""
+
+    def indices(entry: LedgerEntry) -> list[torch.Tensor]:
         record = entry.record
-        rank_seq = shard_rank_and_seq(record.file)
-        if rank_seq is not None:
-            next_seq[rank_seq[0]] = max(next_seq.get(rank_seq[0], 0), rank_seq[1] + 1)
         shard = check_own_path(path, record.file)
         try:
             with safe_open(shard, framework="pt") as handle:
+                found = []
                 for position, batch in enumerate(record.batches):
-                    indices = handle.get_tensor(f"b{position}/{INDEX_KEY}")
-                    if tuple(indices.shape) != (batch.rows,):
+                    index = handle.get_tensor(f"b{position}/{INDEX_KEY}")
+                    if tuple(index.shape) != (batch.rows,):
                         raise StoreError(
-                            f"shard {shard} holds {tuple(indices.shape)} indices in batch "
+                            f"shard {shard} holds {tuple(index.shape)} indices in batch "
                             f"{position}, but {entry.where} says {batch.rows} rows: it is damaged"
                         )
-                    seen = committed.setdefault(batch.dataloader_idx, IndexSet())
-                    for index in indices.tolist():
-                        seen.add(index)
+                    found.append(index)
+                return found
         except (SafetensorError, OSError) as error:
             raise StoreError(
                 f"shard {shard}, committed by {entry.where}, cannot be read: {error}"
             ) from error
-        batch_keys.update(record.per_batch)
-        row_keys.update(key for key in record.keys if key not in record.per_batch)
-    return StorePlan(
-        store_json=info,
-        committed={dataloader: bytes(seen.bits) for dataloader, seen in committed.items()},
-        next_seq=next_seq,
-        row_keys=frozenset(row_keys - batch_keys),
-        batch_keys=frozenset(batch_keys),
+
+    return indices
+
+
+def _clean_objects(
+    location: ObjectLocation,
+) -> tuple[list[LedgerEntry], Callable[[LedgerEntry], list[torch.Tensor]]]:
+    """Delete shard objects without a commit record; the committed records and indices."""
+    listing = list_objects(location)
+    entries = read_commit_entries(location, listing)
+    committed = {entry.record.file for entry in entries}
+    delete_objects(
+        location,
+        [
+            name
+            for name in listing
+            if shard_rank_and_seq(name.removesuffix(".tmp")) is not None and name not in committed
+        ],
     )
+    opened = open_remote_shards(location, entries, listing)
+    return entries, lambda entry: opened[entry.record.file].indices
 
 
 def _is_our_serializer_temp(path: Path, name: str) -> bool:

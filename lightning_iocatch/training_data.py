@@ -62,18 +62,19 @@ import collections
 import hashlib
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import StoreError
+from lightning_iocatch.remote_shards import RemoteShard
+from lightning_iocatch.shard_access import read_shard_rows
 from lightning_iocatch.store import FeatureStore, OnDuplicate
 from lightning_iocatch.store_files import INDEX_KEY
 
@@ -90,7 +91,7 @@ _INCOMPLETE = ("error", "skip")
 class _Block:
     """The rows read from one stored batch: ``b{position}/...`` of one shard."""
 
-    shard: Path
+    shard: Path | RemoteShard
     position: int
     rows: int
     keep: torch.Tensor | None  # stored positions of the rows read; None: all, in order
@@ -112,7 +113,9 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
     ``DataLoader`` with ``batch_size=None``. See the module docstring for the rules.
 
     Args:
-        path: the store directory a :class:`~lightning_iocatch.FeatureWriter` wrote.
+        path: the store directory a :class:`~lightning_iocatch.FeatureWriter` wrote, or its
+            fsspec URL: rows are then read with ranged requests of just their bytes (each
+            DataLoader worker makes its own filesystem).
         keys: a key or keys of the store with one row per sample (``store.keys()``).
         batch_size: rows per batch.
         shuffle: draw the order from ``(seed, epoch)``; ``False`` reads in commit order.
@@ -129,6 +132,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         rank: this process's data-parallel rank, with ``world_size``; default: from
             ``torch.distributed`` when initialised, else 0 of 1.
         world_size: the number of data-parallel processes.
+        storage_options: fsspec options for a URL ``path`` (credentials, endpoint, ...).
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         dataloader_idx: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.keys = _parse_keys(keys)
         self.batch_size = check_int("batch_size", batch_size, minimum=1)
@@ -169,7 +174,12 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
             raise ValueError("pass both `rank` and `world_size`, or neither")
         if with_indices and INDEX in self.keys:
             raise ValueError(f"key {INDEX!r} would clash with `with_indices`'s entry {INDEX!r}")
-        store = FeatureStore(path, dataloader_idx=dataloader_idx, on_duplicate=on_duplicate)
+        store = FeatureStore(
+            path,
+            dataloader_idx=dataloader_idx,
+            on_duplicate=on_duplicate,
+            storage_options=storage_options,
+        )
         self.path = store.path
         self._columns = self._check_columns(store)
         self._blocks = _layout(store, self.keys, incomplete)
@@ -361,18 +371,14 @@ class _Reader:
         if stop < end:
             self._pieces.appendleft((block, stop, end))
         rows = {}
-        try:
-            with safe_open(block.shard, framework="pt") as handle:
-                for key in self._columns:
-                    stored = handle.get_slice(f"b{block.position}/{_stored_name(key)}")
-                    if block.keep is None:
-                        rows[key] = stored[first:stop]
-                    else:
-                        wanted = block.keep[first:stop]
-                        low = int(wanted[0])
-                        rows[key] = stored[low : int(wanted[-1]) + 1][wanted - low]
-        except SafetensorError as error:
-            raise StoreError(f"shard {block.shard} is corrupted: {error}") from error
+        names = [f"b{block.position}/{_stored_name(key)}" for key in self._columns]
+        low, high, wanted = first, stop, None
+        if block.keep is not None:  # rows low..high of the stored batch, then those kept
+            wanted = block.keep[first:stop]
+            low, high = int(wanted[0]), int(wanted[-1]) + 1
+        read = read_shard_rows(block.shard, names, low, high)
+        for key, name in zip(self._columns, names, strict=True):
+            rows[key] = read[name] if wanted is None else read[name][wanted - low]
         if any(part.shape[0] != stop - first for part in rows.values()):
             raise StoreError(f"shard {block.shard} changed while it was read")
         return rows

@@ -23,10 +23,12 @@ from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import CaptureError, StoreError
 from lightning_iocatch.indices import missing_indices_reason
 from lightning_iocatch.keys import flatten_captures
+from lightning_iocatch.object_store import read_store_info
 from lightning_iocatch.shard_file import STORABLE_DTYPES
 from lightning_iocatch.shard_writer import ShardWriter
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink
 from lightning_iocatch.store_files import read_store_json
+from lightning_iocatch.store_fs import resolve_location
 from lightning_iocatch.store_plan import MODES, Mode, StorePlan, prepare_store
 from lightning_iocatch.token_rows import TokenRows
 
@@ -60,7 +62,9 @@ class FeatureWriter(CaptureSink):
     """Write predict-loop captures to ``path`` as safetensors shards plus JSON metadata.
 
     Args:
-        path: the store directory (created if needed).
+        path: the store directory (created if needed), or an fsspec URL of a prefix on
+            object storage (``s3://bucket/run``, ``gs://...``, ``memory://...``), written
+            with the object protocol of :mod:`lightning_iocatch.object_store`.
         mode: ``"create"`` refuses a directory that is not empty; ``"resume"`` continues
             an interrupted dump, writing only the samples not yet committed; ``"overwrite"``
             deletes a previous store's files first (and nothing else).
@@ -79,6 +83,8 @@ class FeatureWriter(CaptureSink):
             token id: a :class:`~lightning_iocatch.token_rows.TokenRows`. The callback
             applies it as it captures, on the model's device, so every sink of the callback
             gets token rows in predict.
+        storage_options: fsspec options for a URL ``path`` (credentials, endpoint, ...),
+            passed through as they are.
 
     Memory: the writer holds at most one shard (``max_shard_bytes`` plus the batch that
     fills it) and ``queue_size + 1`` more batches, whatever the speed of the disk.
@@ -121,9 +127,8 @@ class FeatureWriter(CaptureSink):
         durable: bool = True,
         stage: str = "predict",
         tokens: TokenRows | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"`path` must be a str or os.PathLike, got {type(path).__name__}")
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
         if stage != "predict":
@@ -131,7 +136,7 @@ class FeatureWriter(CaptureSink):
                 f"`stage` must be 'predict' (FeatureWriter dumps the predict loop, which runs "
                 f"once over the data; {STAGES} are the loops), got {stage!r}"
             )
-        self.path = Path(path)
+        self.path = resolve_location(path, storage_options)
         self.mode = mode
         self.max_shard_bytes = check_int("max_shard_bytes", max_shard_bytes, minimum=1)
         self.dtype = parse_dtype("dtype", dtype)
@@ -234,7 +239,10 @@ class FeatureWriter(CaptureSink):
         if not isinstance(outcome, StorePlan):
             raise StoreError(str(outcome))
         try:
-            sees = read_store_json(self.path) == outcome.store_json
+            if isinstance(self.path, Path):
+                sees = read_store_json(self.path) == outcome.store_json
+            else:
+                sees = read_store_info(self.path) == outcome.store_json
         except (StoreError, OSError):
             sees = False
         if not trainer.strategy.reduce_boolean_decision(sees, all=True):

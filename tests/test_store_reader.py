@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_iocatch.ledger as ledger_module
-import lightning_iocatch.store as store_module
+import lightning_iocatch.shard_access as shard_access
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
 from lightning_iocatch.cli import main
 from lightning_iocatch.ledger import (
@@ -534,7 +534,7 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
     monkeypatch.setattr(os, "open", recorder(os.open))
     monkeypatch.setattr(ledger_module, "open", recorder(open), raising=False)
-    monkeypatch.setattr(store_module, "safe_open", recorder(store_module.safe_open))
+    monkeypatch.setattr(shard_access, "safe_open", recorder(shard_access.safe_open))
     return paths
 
 

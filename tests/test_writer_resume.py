@@ -106,12 +106,17 @@ def resume(
     return module
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def save_weights(directory: Path) -> Path:
+    """The dumped model's weights (seed 0), saved in ``directory``."""
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("weights") / "weights.pt"
+    path = directory / "weights.pt"
     torch.save(TinyModule(model=TinyNet(3)).state_dict(), path)
     return path
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_weights(tmp_path_factory.mktemp("weights"))
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
     python tests/scripts/dump_features.py PATH [--mode M] [--kill-at-batch K] [--devices 2] ...
 
+PATH may be a URL (``s3://bucket/run``) with ``--storage-options JSON``.
+
 ``--kill-at-batch K`` SIGKILLs the process inside predict_step of batch K (after the
 writer thread had time to commit earlier shards); ``--log FILE`` appends the dataset
 indices of every batch actually computed; ``--fsize-limit BYTES`` sets RLIMIT_FSIZE (a
@@ -60,11 +62,17 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--fsize-limit", type=int, default=None)
     parser.add_argument("--fsize-limit-at-batch", type=int, default=None)
+    parser.add_argument("--storage-options", type=json.loads, default=None)  # for a URL path
     args = parser.parse_args()
     torch.manual_seed(0)
     module = DumpModule(args)
     module.load_state_dict(torch.load(os.environ["DUMP_WEIGHTS"]), strict=True)
-    writer = FeatureWriter(args.path, mode=args.mode, max_shard_bytes=args.max_shard_bytes)
+    writer = FeatureWriter(
+        args.path,
+        mode=args.mode,
+        max_shard_bytes=args.max_shard_bytes,
+        storage_options=args.storage_options,
+    )
     callback = IOCaptureCallback("outputs[model.layers.1]|inputs[head]", writer=writer)
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -1,0 +1,242 @@
+"""The store on object storage: a shard object, then its commit record object.
+
+Object stores (S3, GCS, Azure Blob, fsspec's ``memory://``) have no rename and no append,
+so the POSIX protocol of :mod:`lightning_iocatch.ledger` (temporary name, rename, an
+appended ledger line) cannot be used there. A store at a prefix holds::
+
+    store.json                          as on disk, written once (by rank 0, before any shard)
+    shard-r{rank:03d}-{seq:06d}.safetensors   as on disk
+    commits/r{rank:03d}-{seq:06d}.json        the commit record of that shard: exactly the
+                                              JSON a ledger line holds (with its record_crc32)
+
+The protocol, with every request made through the URL's fsspec filesystem:
+
+1. **Write the shard object completely.** It is uploaded as plain fsspec writes upload
+   (for S3: one PUT, or a multipart upload for a shard over s3fs's block size, so it
+   appears whole or not at all); on any failure the upload is discarded.
+2. **Then write its commit record**, one small object in one request (a PUT is atomic on
+   S3, GCS and Azure). The commit record is the commit point: a shard object without one
+   does not exist. It names the shard, its size and CRC-32, its batches and keys.
+3. **Readers list** ``commits/`` and never count a shard without a commit record. A commit
+   record whose shard object is missing or of another size is damage, an error naming both.
+4. ``mode="resume"`` deletes the shard objects without a commit record (debris of a killed
+   run) and continues each rank at the sequence number after its last commit;
+   ``mode="overwrite"`` deletes ``store.json``, every shard object and every commit record.
+   Both touch only the names above: any other object under the prefix is kept.
+
+Not protected against: two runs writing one prefix at once, and an object store whose
+listing does not show an object written before it (S3 and GCS list strongly consistently).
+A multipart upload killed with its process is invisible, but the store keeps its parts
+until a lifecycle rule (``AbortIncompleteMultipartUpload``) removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+from lightning_iocatch.errors import StoreError
+from lightning_iocatch.ledger import LedgerEntry, ShardRecord
+from lightning_iocatch.store_files import (
+    STORE_FILE,
+    check_store_json,
+    read_store_json,
+    shard_name,
+    shard_rank_and_seq,
+)
+from lightning_iocatch.store_fs import ObjectLocation, StoreLocation, remote_error
+
+__all__ = [
+    "COMMITS",
+    "commit_name",
+    "commit_rank_and_seq",
+    "commit_shard",
+    "delete_objects",
+    "is_own_object",
+    "list_objects",
+    "read_commit_entries",
+    "read_object",
+    "read_store_info",
+    "write_object",
+    "write_shard_object",
+]
+
+COMMITS = "commits"
+_COMMIT = re.compile(r"commits/r([0-9]{3,})-([0-9]{6,})\.json", re.ASCII)
+T = TypeVar("T")
+
+
+def commit_name(rank: int, seq: int) -> str:
+    """The name of the commit record of a rank's ``seq``-th shard."""
+    return f"{COMMITS}/r{rank:03d}-{seq:06d}.json"
+
+
+def commit_rank_and_seq(name: str) -> tuple[int, int] | None:
+    """``(rank, seq)`` of a commit record's name, else ``None``."""
+    match = _COMMIT.fullmatch(name)
+    if match is None:
+        return None
+    rank, seq = int(match.group(1)), int(match.group(2))
+    return (rank, seq) if commit_name(rank, seq) == name else None
+
+
+def is_own_object(name: str) -> bool:
+    """True for every name a store writes on object storage (relative to its prefix)."""
+    return (
+        name == STORE_FILE
+        or shard_rank_and_seq(name.removesuffix(".tmp")) is not None
+        or commit_rank_and_seq(name) is not None
+    )
+
+
+# Requests
+
+
+def list_objects(location: ObjectLocation) -> dict[str, int]:
+    """Every object under the store's prefix: name relative to it -> size in bytes."""
+    fs = location.fs
+    try:
+        fs.invalidate_cache(location.root)  # another process may have written since
+        found = fs.find(location.root, detail=True)
+    except OSError as error:
+        raise remote_error("list", location.url, error) from error
+    prefix = location.root + "/"
+    return {
+        path[len(prefix) :]: int(info.get("size") or 0)
+        for path, info in dict(found).items()
+        if path.startswith(prefix) and info.get("type", "file") == "file"
+    }
+
+
+def read_object(location: ObjectLocation, name: str) -> bytes:
+    """The bytes of the store's object ``name``."""
+    try:
+        data: bytes = location.fs.cat_file(location.path(name))
+    except OSError as error:
+        raise remote_error("read", location.url_of(name), error) from error
+    return data
+
+
+def write_object(location: ObjectLocation, name: str, data: bytes) -> None:
+    """Write the store's small object ``name`` in one request."""
+    try:
+        location.fs.pipe_file(location.path(name), data)
+    except OSError as error:
+        raise remote_error("write", location.url_of(name), error) from error
+
+
+def delete_objects(location: ObjectLocation, names: Iterable[str]) -> None:
+    """Delete the store's own objects ``names`` (batched by the filesystem)."""
+    paths = [location.path(name) for name in names if is_own_object(name)]
+    if not paths:
+        return
+    try:
+        location.fs.rm(paths)
+    except OSError as error:
+        raise remote_error("delete objects in", location.url, error) from error
+
+
+def write_shard_object(location: ObjectLocation, name: str, write: Callable[[IO[bytes]], T]) -> T:
+    """Upload the shard object ``name`` with ``write(handle)``, as plain fsspec writes do.
+
+    The upload is completed when the handle closes (for S3, one PUT, or a multipart upload
+    for shards over the filesystem's block size); on any failure, ``write`` raising
+    included, it is discarded instead (for S3: the multipart upload is aborted, and the
+    handle is marked closed so that nothing completes it later) and the error is raised,
+    an ``OSError`` as a :class:`StoreError` naming the object. A filesystem that shows an
+    object while it is written (``memory://``) leaves one without a commit record, which
+    counts for nothing and which resume deletes.
+    """
+    from fsspec.spec import AbstractBufferedFile
+
+    try:
+        handle = location.fs.open(location.path(name), "wb")
+    except OSError as error:
+        raise remote_error("write", location.url_of(name), error) from error
+    try:
+        result = write(handle)
+        handle.close()
+    except BaseException as error:
+        with contextlib.suppress(Exception):
+            handle.discard()
+        if isinstance(handle, AbstractBufferedFile):
+            handle.closed = True  # never flushed nor completed by ``close`` or ``__del__``
+        if isinstance(error, OSError):
+            raise remote_error("write", location.url_of(name), error) from error
+        raise
+    return result
+
+
+def commit_shard(location: ObjectLocation, record: ShardRecord) -> None:
+    """Write the commit record of ``record``'s shard: the shard counts from here on."""
+    named = shard_rank_and_seq(record.file)
+    if named is None:
+        raise StoreError(f"{record.file!r} is not a shard name")
+    write_object(location, commit_name(*named), (record.to_json() + "\n").encode("ascii"))
+
+
+# Reading what is committed
+
+
+def read_store_info(location: StoreLocation) -> dict[str, Any]:
+    """The store's ``store.json`` (on disk or on object storage), checked."""
+    if isinstance(location, Path):
+        return read_store_json(location)
+    where = location.url_of(STORE_FILE)
+    try:
+        raw = location.fs.cat_file(location.path(STORE_FILE))
+    except FileNotFoundError as error:
+        if "bucket" in str(error).lower():
+            raise remote_error("read", where, error) from error
+        raise StoreError(
+            f"{location.url} is not a feature store: it has no {STORE_FILE} (stores are "
+            "written by lightning_iocatch.FeatureWriter)"
+        ) from error
+    except OSError as error:
+        raise remote_error("read", where, error) from error
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as error:
+        raise StoreError(f"cannot read {where}: {error}") from error
+    return check_store_json(data, where)
+
+
+def read_commit_entries(location: ObjectLocation, listing: dict[str, int]) -> list[LedgerEntry]:
+    """The commit record of every committed shard, by rank then sequence number.
+
+    ``listing`` is :func:`list_objects`' answer; the records are fetched concurrently where
+    the filesystem can. A record that is not a valid record of its own shard raises a
+    :class:`StoreError` naming it.
+    """
+    names = sorted(
+        (named, name) for name in listing if (named := commit_rank_and_seq(name)) is not None
+    )
+    if not names:
+        return []
+    paths = [location.path(name) for _, name in names]
+    try:
+        fetched = location.fs.cat(paths, on_error="return")
+    except OSError as error:
+        raise remote_error("read commit records in", location.url, error) from error
+    entries = []
+    for (named, name), path in zip(names, paths, strict=True):
+        where = location.url_of(name)
+        data = fetched.get(path)
+        if not isinstance(data, bytes):
+            failure = data if isinstance(data, OSError) else OSError(f"no answer: {data!r}")
+            raise remote_error("read", where, failure)
+        try:
+            record = ShardRecord.from_json(data.decode("utf-8"))
+        except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
+            raise StoreError(f"commit record {where} is damaged: {error}") from error
+        if record.file != shard_name(*named):
+            raise StoreError(
+                f"commit record {where} is damaged: it records {record.file}, not "
+                f"{shard_name(*named)}"
+            )
+        entries.append(LedgerEntry(where, 0, record))
+    return entries

@@ -1,0 +1,181 @@
+"""Where a store lives: a local directory, or a prefix on object storage reached by fsspec.
+
+:func:`resolve_location` turns what a user passes (a path, or an fsspec URL with its
+``storage_options``) into one of two places, each with its own commit protocol:
+
+- a :class:`~pathlib.Path` for a local directory (a plain path or a ``file://`` URL): the
+  POSIX protocol of :mod:`lightning_iocatch.store_files` and :mod:`lightning_iocatch.ledger`
+  (temporary name, fsync, rename, an appended ledger line), exactly as before URLs existed;
+- an :class:`ObjectLocation` for every other fsspec URL (``s3://``, ``gs://``, ``az://``,
+  ``memory://``, ...): no rename and no append, the object protocol of
+  :mod:`lightning_iocatch.object_store` (a shard object, then its commit record object).
+
+All remote I/O goes through the fsspec filesystem of the URL; this module only names the
+objects and turns the filesystem's errors into one :class:`~lightning_iocatch.StoreError`
+that says what to fix. fsspec's asynchronous filesystems (s3fs, gcsfs) cannot be used
+after a ``fork``: :attr:`ObjectLocation.fs` makes a new one in each process, and an
+``ObjectLocation`` pickles without it (DataLoader workers, DDP ranks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_iocatch.errors import StoreError
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+__all__ = ["ObjectLocation", "StoreLocation", "remote_error", "resolve_location"]
+
+
+class ObjectLocation:
+    """A store's prefix on an fsspec filesystem without rename or append (object storage).
+
+    Args:
+        url: the URL as the user gave it (``s3://bucket/run``), used in every message.
+        options: the ``storage_options`` passed to fsspec (credentials, endpoint, ...).
+        root: the filesystem path of the prefix (``bucket/run``), without a trailing ``/``.
+        fs: the filesystem, if already made (in this process).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        options: Mapping[str, Any],
+        root: str,
+        fs: AbstractFileSystem | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.options = dict(options)
+        self.root = root.rstrip("/")
+        self._fs = fs
+        self._pid = os.getpid()
+
+    @property
+    def fs(self) -> AbstractFileSystem:
+        """The fsspec filesystem, made anew in a process other than the one that made it."""
+        if self._fs is None or self._pid != os.getpid():
+            import fsspec.core
+
+            self._fs, _ = fsspec.core.url_to_fs(self.url, **self.options)
+            self._pid = os.getpid()
+        return self._fs
+
+    def path(self, name: str) -> str:
+        """The filesystem path of the store's object ``name`` (``commits/r000-000000.json``)."""
+        return f"{self.root}/{name}"
+
+    def url_of(self, name: str) -> str:
+        """The URL of the store's object ``name``, for messages."""
+        return f"{self.url}/{name}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "options": self.options, "root": self.root}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["options"], state["root"])  # type: ignore[misc]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectLocation) and (self.url, self.options) == (
+            other.url,
+            other.options,
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"ObjectLocation({self.url!r})"
+
+
+StoreLocation = Path | ObjectLocation
+"""A local directory (POSIX protocol) or a prefix on object storage (object protocol)."""
+
+
+def resolve_location(
+    path: str | os.PathLike[str] | ObjectLocation,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | ObjectLocation:
+    """Where a store lives: a local :class:`Path`, or an :class:`ObjectLocation` for a URL.
+
+    ``path`` is a local path, a ``file://`` URL (both local), or any other fsspec URL;
+    ``storage_options`` go to fsspec as they are, and are refused for a local path.
+
+    Raises:
+        TypeError: ``path`` or ``storage_options`` of the wrong type.
+        StoreError: a URL fsspec cannot open (an unknown protocol, a missing package),
+            naming the URL and the fix.
+
+    Example:
+        >>> resolve_location("features/")
+        PosixPath('features')
+        >>> resolve_location("memory://bucket/run")
+        ObjectLocation('memory://bucket/run')
+    """
+    if isinstance(path, ObjectLocation):
+        return path
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+        raise TypeError(f"`path` must be a str or os.PathLike, got {type(path).__name__}")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(
+            f"`storage_options` must be a dict of fsspec options or None, got "
+            f"{type(storage_options).__name__}"
+        )
+    text = os.fspath(path)
+    if not isinstance(text, str) or "://" not in text:
+        if storage_options:
+            raise ValueError(
+                f"`storage_options` apply to fsspec URLs (s3://..., gs://...), but {text!r} is "
+                "a local path; drop them, or write the URL"
+            )
+        return Path(path)
+    import fsspec.core
+    from fsspec.implementations.local import LocalFileSystem
+
+    options = dict(storage_options or {})
+    try:
+        fs, root = fsspec.core.url_to_fs(text, **options)
+    except ImportError as error:
+        protocol = text.split("://", 1)[0]
+        raise StoreError(
+            f"cannot open {text}: fsspec needs a package for {protocol}:// ({error}); for "
+            "S3, pip install 'lightning-iocatch[s3]'"
+        ) from error
+    except ValueError as error:
+        raise StoreError(f"cannot open {text}: {error}") from error
+    if isinstance(fs, LocalFileSystem):
+        if options:
+            raise ValueError(
+                f"`storage_options` do not apply to the local path {text!r}; drop them"
+            )
+        return Path(root)
+    if not root.strip("/"):
+        raise StoreError(
+            f"{text} names no prefix for the store; give one, e.g. {text.rstrip('/')}/features"
+        )
+    return ObjectLocation(text, options, root, fs)
+
+
+def remote_error(doing: str, where: str, error: Exception) -> StoreError:
+    """One clear :class:`StoreError` for a failed request to object storage.
+
+    ``doing`` says what failed (``"read"``, ``"list"``, ``"write"``), ``where`` the URL.
+    """
+    if isinstance(error, PermissionError):
+        return StoreError(
+            f"access denied to {where} ({doing}): {error}; check the credentials in "
+            "`storage_options` (or the environment the filesystem reads them from) and "
+            "their permissions on the bucket"
+        )
+    if isinstance(error, FileNotFoundError) and "bucket" in str(error).lower():
+        return StoreError(
+            f"cannot {doing} {where}: {error}; create the bucket first, or fix the URL"
+        )
+    return StoreError(f"cannot {doing} {where}: {type(error).__name__}: {error}")

@@ -1,0 +1,276 @@
+"""The object-store commit protocol, on fsspec's ``memory://`` (fast; S3 itself: test_s3.py).
+
+The ground truth is the same batches written to a local directory with the POSIX protocol:
+a store on object storage must read exactly like it, hold the same shard bytes, and commit
+the same records. A shard object counts only once its commit record exists.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+from torch.utils.data import DataLoader
+
+from lightning_iocatch import FeatureStore, FeatureWriter, StoreError
+from lightning_iocatch.cli import main
+from lightning_iocatch.ledger import read_ledgers
+from lightning_iocatch.shard_writer import ShardWriter
+from lightning_iocatch.store_fs import ObjectLocation, resolve_location
+from lightning_iocatch.store_plan import prepare_store
+from lightning_iocatch.training_data import StoreRows
+
+SETTINGS = {"spec": None, "stage": "predict", "dtype": None}
+N = 30
+
+
+class CountingMemoryFileSystem(MemoryFileSystem):
+    """``memory://`` that counts the bytes each read returns (``countingmemory://``)."""
+
+    protocol = "countingmemory"
+    read_bytes = 0
+    reads = 0
+
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kw: Any
+    ) -> bytes:
+        data: bytes = super().cat_file(path, start=start, end=end, **kw)
+        CountingMemoryFileSystem.read_bytes += len(data)
+        CountingMemoryFileSystem.reads += 1
+        return data
+
+
+fsspec.register_implementation("countingmemory", CountingMemoryFileSystem, clobber=True)
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    """A fresh prefix on ``memory://``, removed afterwards (with its neighbours' test)."""
+    prefix = f"iocatch-tests/{uuid.uuid4().hex}"
+    yield f"memory://{prefix}/run"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(prefix):
+        fs.rm(prefix, recursive=True)
+
+
+def batches(n: int = N, width: int = 6) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+    """Batches of 4 with a bfloat16 key, a float32 key and a per-batch key."""
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for start in range(0, n, 4):
+        indices = list(range(start, min(start + 4, n)))
+        rows = len(indices)
+        tensors = {
+            "h/outputs": torch.randn(rows, width, generator=generator).to(torch.bfloat16),
+            "h/inputs/args/0": torch.randn(rows, 2, 3, generator=generator),
+            "rotary": torch.randn(1, 3, generator=generator),
+        }
+        out.append((indices, tensors))
+    return out
+
+
+def dump(
+    path: str | Path, data: list[Any], mode: str = "create", shard: int = 300, **kw: Any
+) -> None:
+    plan = prepare_store(path, mode, SETTINGS)  # type: ignore[arg-type]
+    writer = ShardWriter(path, rank=0, plan=plan, max_shard_bytes=shard, **kw)
+    for indices, tensors in data:
+        writer.write(tensors, indices)
+    writer.close()
+
+
+def objects(url: str) -> dict[str, bytes]:
+    location = resolve_location(url)
+    assert isinstance(location, ObjectLocation)
+    fs = location.fs
+    return {path[len(location.root) + 1 :]: fs.cat_file(path) for path in fs.find(location.root)}
+
+
+def test_a_store_on_object_storage_reads_like_the_same_store_on_disk(
+    tmp_path: Path, url: str
+) -> None:
+    data = batches()
+    dump(tmp_path / "local", data)
+    dump(url, data)
+    local, remote = FeatureStore(tmp_path / "local"), FeatureStore(url, verify=True)
+    assert remote.keys() == local.keys() and torch.equal(remote.indices, torch.arange(N))
+    for key in ("h/outputs", "h/inputs/args/0"):
+        assert remote[key].dtype == local[key].dtype
+        assert torch.equal(remote[key], local[key]), key
+        assert torch.equal(remote[key], torch.cat([t[key] for _, t in data])), key
+    remote_batches = list(remote.batches("rotary"))
+    assert len(remote_batches) == len(data)
+    for (indices, tensor), (want_indices, want) in zip(remote_batches, data, strict=True):
+        assert indices.tolist() == want_indices and torch.equal(tensor, want["rotary"])
+    meta_local, meta_remote = local.metadata, remote.metadata
+    for field in ("keys", "per_batch", "shards", "ranks", "bytes", "rows", "format"):
+        assert meta_remote[field] == meta_local[field], field
+    # The same bytes: each shard object is the local shard, each commit record its ledger line
+    stored = objects(url)
+    records = read_ledgers(tmp_path / "local")
+    for record in records:
+        assert stored[record.file] == (tmp_path / "local" / record.file).read_bytes()
+        name = f"commits/r000-{int(record.file[-18:-12]):06d}.json"
+        assert stored[name].decode() == record.to_json() + "\n"
+    assert set(stored) == {"store.json"} | {r.file for r in records} | {
+        f"commits/r000-{i:06d}.json" for i in range(len(records))
+    }
+    # The training reader streams the same batches, in the same order
+    local_rows = StoreRows(
+        tmp_path / "local", ["h/outputs", "h/inputs/args/0"], batch_size=7, with_indices=True
+    )
+    remote_rows = StoreRows(url, ["h/outputs", "h/inputs/args/0"], batch_size=7, with_indices=True)
+    for a, b in zip(
+        DataLoader(local_rows, batch_size=None),
+        DataLoader(remote_rows, batch_size=None),
+        strict=True,
+    ):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_shard_without_its_commit_record_does_not_exist_and_resume_deletes_only_it(
+    url: str,
+) -> None:
+    data = batches()
+    dump(url, data[:4])  # indices 0..15, a shard (300 bytes) per two batches
+    location = resolve_location(url)
+    assert isinstance(location, ObjectLocation)
+    fs = location.fs
+    last = sorted(name for name in objects(url) if name.startswith("commits/"))[-1]
+    fs.rm(location.path(last))  # killed between the shard upload and its commit record
+    fs.pipe_file(location.path("notes.txt"), b"mine")
+    fs.pipe_file(location.path("commits/README"), b"mine too")
+    fs.pipe_file(location.path("shard-r0-1.safetensors"), b"not a name the store writes")
+    store = FeatureStore(url)
+    assert store.indices.tolist() == list(range(8))  # the uncommitted shard does not count
+    orphan = "shard-r000-000001.safetensors"
+    assert orphan in objects(url)
+    dump(url, data, mode="resume")
+    left = objects(url)
+    assert left["notes.txt"] == b"mine" and left["commits/README"] == b"mine too"
+    assert "shard-r0-1.safetensors" in left
+    store = FeatureStore(url)
+    assert store.indices.tolist() == list(range(N)) and store.duplicated_indices() == []
+    assert torch.equal(store["h/outputs"], torch.cat([t["h/outputs"] for _, t in data]))
+    commits = sorted(name for name in left if name.startswith("commits/r"))
+    shards = sorted(name for name in left if name.startswith("shard-r000"))
+    assert [c[9:19] for c in commits] == [s[7:17] for s in shards]  # one record per shard
+
+
+def test_create_refuses_a_prefix_in_use_and_overwrite_deletes_only_the_stores_objects(
+    url: str,
+) -> None:
+    dump(url, batches()[:2])
+    with pytest.raises(
+        StoreError, match=r"is not empty; use FeatureWriter\(\.\.\., mode='resume'\)"
+    ):
+        dump(url, batches())
+    location = resolve_location(url)
+    assert isinstance(location, ObjectLocation)
+    location.fs.pipe_file(location.path("notes.txt"), b"mine")
+    location.fs.pipe_file(location.path("commits/README"), b"mine too")
+    dump(url, batches()[2:3], mode="overwrite")
+    assert FeatureStore(url).indices.tolist() == [8, 9, 10, 11]
+    left = objects(url)
+    assert left["notes.txt"] == b"mine" and left["commits/README"] == b"mine too"
+    with pytest.raises(
+        StoreError, match="nothing to resume in memory://.*: it holds no store.json"
+    ):
+        dump(url + "-other", batches(), mode="resume")
+
+
+def test_damage_is_an_error_naming_the_object(url: str) -> None:
+    dump(url, batches())
+    location = resolve_location(url)
+    assert isinstance(location, ObjectLocation)
+    fs = location.fs
+    record = location.path("commits/r000-000001.json")
+    good = fs.cat_file(record)
+    fs.pipe_file(record, good.replace(b'"rank":0', b'"rank":1'))
+    with pytest.raises(
+        StoreError,
+        match=r"commit record memory://.*/commits/r000-000001.json is damaged: its record_crc32",
+    ):
+        FeatureStore(url)
+    fs.pipe_file(record, good)
+    shard = location.path("shard-r000-000001.safetensors")
+    fs.pipe_file(shard, fs.cat_file(shard)[:-4])
+    with pytest.raises(
+        StoreError, match=r"shard-r000-000001.safetensors is \d+ bytes, its commit record says"
+    ):
+        FeatureStore(url)
+    fs.rm(shard)
+    with pytest.raises(
+        StoreError, match="shard-r000-000001.safetensors is committed .* but missing"
+    ):
+        FeatureStore(url)
+
+
+def test_opening_reads_headers_and_a_key_reads_only_its_tensors() -> None:
+    url = f"countingmemory://iocatch-tests/{uuid.uuid4().hex}/run"
+    data = batches(n=64, width=4096)  # bfloat16 rows of 8 KiB next to small float32 ones
+    dump(url, data, shard=200_000)  # about 3 shards of 200 KB
+    total = sum(len(v) for k, v in objects(url).items() if k.startswith("shard-"))
+    CountingMemoryFileSystem.read_bytes = 0
+    store = FeatureStore(url)
+    opened = CountingMemoryFileSystem.read_bytes
+    assert opened < 0.05 * total, (opened, total)  # headers, indices and commit records
+    CountingMemoryFileSystem.read_bytes = 0
+    small = store["h/inputs/args/0"]
+    assert CountingMemoryFileSystem.read_bytes <= small.numel() * 4 + 64 << 10
+    CountingMemoryFileSystem.read_bytes = 0
+    big = store["h/outputs"]
+    assert big.numel() * 2 <= CountingMemoryFileSystem.read_bytes < 1.1 * big.numel() * 2
+    assert torch.equal(big, torch.cat([t["h/outputs"] for _, t in data]))
+    location = resolve_location(url)
+    assert isinstance(location, ObjectLocation)
+    location.fs.rm(location.fs.find(location.root))
+
+
+def test_feature_writer_and_inspect_take_urls(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dump(url, batches())
+    assert main(["inspect", url, "--verify", "--expected", str(N)]) == 0
+    printed = capsys.readouterr().out
+    assert f"rows       {N}" in printed and "under the prefix" in printed
+    assert main(["inspect", url + "-missing"]) == 2
+    assert "is not a feature store: it has no store.json" in capsys.readouterr().err
+    # file:// is a local path: the POSIX protocol, a ledger
+    writer = FeatureWriter(f"file://{tmp_path}/local")
+    assert writer.path == tmp_path / "local"
+
+
+@pytest.mark.parametrize(
+    ("path", "options", "error", "match"),
+    [
+        ("nosuchprotocol://b/run", None, StoreError, "cannot open nosuchprotocol://b/run"),
+        ("memory://", None, StoreError, r"names no prefix for the store; give one, e\.g\."),
+        ("features/", {"key": "k"}, ValueError, "`storage_options` apply to fsspec URLs"),
+        ("memory://b/run", ["key"], TypeError, "`storage_options` must be a dict"),
+    ],
+)
+def test_bad_locations_are_refused_with_one_clear_error(
+    path: str, options: Any, error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        FeatureStore(path, storage_options=options)
+    with pytest.raises(error, match=match):
+        FeatureWriter(path, storage_options=options)
+
+
+def test_an_object_location_pickles_without_its_filesystem(url: str) -> None:
+    import pickle
+
+    location = resolve_location(url, {"skip_instance_cache": True})
+    assert isinstance(location, ObjectLocation)
+    copy = pickle.loads(pickle.dumps(location))
+    assert copy == location and copy.options == {"skip_instance_cache": True}
+    assert "_fs" not in json.dumps(location.__getstate__())

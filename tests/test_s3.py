@@ -1,0 +1,196 @@
+"""Feature stores on a real S3-protocol server: moto's, started here on 127.0.0.1, with s3fs.
+
+The ground truth is a manual forward of the same weights (``truth`` of
+tests/test_writer_resume.py) and the same dump written to a local directory. Killed dumps
+are real ``SIGKILL``s of tests/scripts/dump_features.py, and the DDP dump is two real
+processes; they reach the server over the loopback address. Every test skips when moto's
+server or s3fs is missing or the server cannot start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
+from lightning_iocatch.cli import main
+from lightning_iocatch.ledger import read_ledgers
+from lightning_iocatch.store_plan import prepare_store
+from lightning_iocatch.training_data import StoreRows
+from tests.lightning_models import trainer
+from tests.s3_server import S3Server, s3_available
+from tests.test_writer_resume import (
+    SHARD_BYTES,
+    SPEC,
+    Dump,
+    N,
+    indexed_loader,
+    save_weights,
+    truth,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:predict returned None")  # skipped batches
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = {"spec": None, "stage": "predict", "dtype": None}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[S3Server]:
+    reason = s3_available()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        running = S3Server().start()
+    except Exception as error:  # any failure to start is a reason to skip, not to fail
+        pytest.skip(f"the local S3 server cannot start: {type(error).__name__}: {error}")
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def bucket(server: S3Server) -> str:
+    name = f"iocatch-{uuid.uuid4().hex[:12]}"
+    server.make_bucket(name)
+    return name
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_weights(tmp_path_factory.mktemp("weights"))
+
+
+def run_dump(url: str, options: dict[str, Any], weights: Path, *args: str) -> int:
+    """tests/scripts/dump_features.py in its own process(es); its return code."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DUMP_WEIGHTS": str(weights)}
+    script = ROOT / "tests/scripts/dump_features.py"
+    command = [sys.executable, str(script), url, "--storage-options", json.dumps(options), *args]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode in (0, -signal.SIGKILL), result.stderr[-3000:]
+    return result.returncode
+
+
+def assert_truth(store: FeatureStore, weights: Path) -> None:
+    assert store.indices.tolist() == list(range(N)) and store.duplicated_indices() == []
+    expected = truth(weights)
+    assert store.keys() == sorted(expected)
+    for key, rows in expected.items():
+        assert torch.equal(store[key], rows), key
+    store.verify()
+
+
+def test_a_trainer_dump_to_s3_reads_back_row_for_row(
+    server: S3Server, bucket: str, weights: Path, tmp_path: Path
+) -> None:
+    url, options = f"s3://{bucket}/run", server.storage_options()
+    for path, opts in ((url, options), (tmp_path / "local", None)):
+        writer = FeatureWriter(path, max_shard_bytes=SHARD_BYTES, storage_options=opts)
+        dump = trainer([IOCaptureCallback(SPEC, writer=writer)])
+        dump.predict(Dump(weights), indexed_loader(4), return_predictions=False)
+    server.taken()
+    store = FeatureStore(url, storage_options=options)
+    opening = server.taken()
+    assert_truth(store, weights)
+    local = read_ledgers(tmp_path / "local")
+    assert store.metadata["shards"] == [record.file for record in local]
+    # Opening: one listing, store.json, each commit record, and one ranged read per shard
+    shards = [r for r in opening if "/shard-" in r.path]
+    assert len(shards) == len(local) and all(r.method == "GET" and r.range for r in shards)
+    listings = [r for r in opening if "list-type=2" in r.query]
+    assert len(listings) == 1 and len(opening) == 2 + 2 * len(local) + 1, opening
+    # The training reader streams the same batches from S3 (one worker process) as locally
+    keys = sorted(truth(weights))
+    remote_rows = StoreRows(url, keys, batch_size=16, with_indices=True, storage_options=options)
+    local_rows = StoreRows(tmp_path / "local", keys, batch_size=16, with_indices=True)
+    remote = list(DataLoader(remote_rows, batch_size=None, num_workers=1))
+    for a, b in zip(remote, DataLoader(local_rows, batch_size=None), strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (
+        main(
+            [
+                "inspect",
+                url,
+                "--verify",
+                "--expected",
+                str(N),
+                "--storage-options",
+                json.dumps(options),
+            ]
+        )
+        == 0
+    )
+
+
+def test_a_dump_to_s3_killed_with_sigkill_resumes_with_every_sample_once(
+    server: S3Server, bucket: str, weights: Path
+) -> None:
+    url, options = f"s3://{bucket}/run", server.storage_options()
+    assert run_dump(url, options, weights, "--kill-at-batch", "9") == -signal.SIGKILL
+    committed = FeatureStore(url, storage_options=options).indices.tolist()
+    assert 0 < len(committed) < N and committed == list(range(len(committed)))
+    # A shard whose upload completed but whose commit record was never written does not count
+    import s3fs  # present: the server fixture skips otherwise
+
+    fs = s3fs.S3FileSystem(**options)
+    seq = len(FeatureStore(url, storage_options=options).metadata["shards"])
+    orphan = f"{bucket}/run/shard-r000-{seq:06d}.safetensors"
+    fs.pipe_file(orphan, b"uploaded, never committed")
+    assert FeatureStore(url, storage_options=options).indices.tolist() == committed
+    module = Dump(weights)
+    writer = FeatureWriter(url, mode="resume", max_shard_bytes=SHARD_BYTES, storage_options=options)
+    trainer([IOCaptureCallback(SPEC, writer=writer)]).predict(
+        module, indexed_loader(4), return_predictions=False
+    )
+    assert module.computed == list(range(len(committed), N))  # committed rows not recomputed
+    assert_truth(FeatureStore(url, storage_options=options), weights)
+    fs.invalidate_cache()
+    assert fs.cat_file(orphan) != b"uploaded, never committed"  # deleted, then written anew
+
+
+@pytest.mark.slow
+def test_a_two_process_ddp_dump_to_s3(server: S3Server, bucket: str, weights: Path) -> None:
+    url, options = f"s3://{bucket}/run", server.storage_options()
+    assert run_dump(url, options, weights, "--devices", "2") == 0
+    store = FeatureStore(url, storage_options=options)
+    assert store.metadata["ranks"] == [0, 1] and store.metadata["world_size"] == 2
+    assert_truth(store, weights)
+
+
+def test_a_missing_bucket_and_denied_credentials_give_one_clear_error(
+    server: S3Server, bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    options = server.storage_options()
+    missing = "s3://iocatch-no-such-bucket/run"
+    fix = "create the bucket first, or fix the URL"
+    with pytest.raises(StoreError, match=rf"cannot list {missing}: .*bucket does not exist; {fix}"):
+        prepare_store(missing, "create", SETTINGS, storage_options=options)
+    with pytest.raises(StoreError, match=rf"cannot read {missing}/store.json: .*; {fix}"):
+        FeatureStore(missing, storage_options=options)
+    assert main(["inspect", missing, "--storage-options", json.dumps(options)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    prepare_store(f"s3://{bucket}/run", "create", SETTINGS, storage_options=options)
+    server.deny_unknown_credentials(True)
+    try:
+        denied = server.storage_options(key="AKIAUNKNOWN", secret="wrong")
+        check = "check the credentials in `storage_options`"
+        with pytest.raises(
+            StoreError, match=rf"access denied to s3://{bucket}/run \(list\): .*{check}"
+        ):
+            prepare_store(f"s3://{bucket}/run", "overwrite", SETTINGS, storage_options=denied)
+        with pytest.raises(
+            StoreError, match=rf"access denied to s3://{bucket}/run/store.json \(read\)"
+        ):
+            FeatureStore(f"s3://{bucket}/run", storage_options=denied)
+    finally:
+        server.deny_unknown_credentials(False)

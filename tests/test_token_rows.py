@@ -109,7 +109,7 @@ def expected_tokens(
     return {"rows": torch.stack(rows), "index": index, "position": position, "token": token}
 
 
-def dump(path: Path, tokens: TokenRows, loader: DataLoader[Any], **writer: Any) -> None:
+def dump(path: Path | str, tokens: TokenRows, loader: DataLoader[Any], **writer: Any) -> None:
     callback = IOCaptureCallback(
         f"outputs[{LAYER}]", early_exit=True, writer=FeatureWriter(path, tokens=tokens, **writer)
     )
@@ -381,3 +381,15 @@ def test_two_mask_lambdas_are_told_apart_for_a_resume() -> None:
     second = TokenRows(mask=lambda batch: batch["input_ids"] == 6)
     assert first.settings()["mask"] != second.settings()["mask"]
     assert TokenRows(drop_token_ids=np.array([2, 0])).settings()["drop_token_ids"] == [0, 2]
+
+
+def test_token_rows_on_object_storage_equal_the_local_dump(tmp_path: Path) -> None:
+    loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad("left"))
+    url = f"memory://token-rows/{tmp_path.name}"
+    dump(tmp_path, TokenRows(drop_first=True), loader, max_shard_bytes=2048)
+    dump(url, TokenRows(drop_first=True), loader, max_shard_bytes=2048)
+    local, remote = FeatureStore(tmp_path), FeatureStore(url)
+    assert len(remote.metadata["shards"]) > 1
+    assert torch.equal(remote.indices, local.indices)
+    for key in (KEY, POSITION_KEY, TOKEN_ID_KEY):
+        assert torch.equal(remote[key], local[key]), key

@@ -57,14 +57,9 @@ Example:
 
 from __future__ import annotations
 
-import bisect
-import collections
 import hashlib
-import itertools
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -73,8 +68,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.remote_shards import RemoteShard
-from lightning_iocatch.shard_access import read_shard_rows
+from lightning_iocatch.row_buffer import Block, BlockReader, Column, ShuffleBuffer, segments
 from lightning_iocatch.store import FeatureStore, OnDuplicate
 from lightning_iocatch.store_files import INDEX_KEY
 
@@ -85,24 +79,6 @@ INDEX = "index"
 
 Incomplete = Literal["error", "skip"]
 _INCOMPLETE = ("error", "skip")
-
-
-@dataclass(frozen=True)
-class _Block:
-    """The rows read from one stored batch: ``b{position}/...`` of one shard."""
-
-    shard: Path | RemoteShard
-    position: int
-    rows: int
-    keep: torch.Tensor | None  # stored positions of the rows read; None: all, in order
-
-
-@dataclass(frozen=True)
-class _Column:
-    """One key of a batch: the shape and dtype of a row as it comes out."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
@@ -191,7 +167,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         ).hexdigest()
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by workers
 
-    def _check_columns(self, store: FeatureStore) -> dict[str, _Column]:
+    def _check_columns(self, store: FeatureStore) -> dict[str, Column]:
         described = store.metadata
         columns = {}
         for key in self.keys:
@@ -208,9 +184,9 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
                 )
             stored = getattr(torch, dtype)
             cast = self.dtype if self.dtype is not None and stored.is_floating_point else stored
-            columns[key] = _Column(tuple(shape), cast)
+            columns[key] = Column(tuple(shape), cast)
         if self.with_indices:
-            columns[INDEX] = _Column((), torch.int64)
+            columns[INDEX] = Column((), torch.int64)
         return columns
 
     # The epoch
@@ -247,13 +223,14 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         if self.shuffle:
             order = torch.randperm(len(order), generator=_generator(self.seed, epoch)).tolist()
         counts = [self._blocks[b].rows for b in order]
-        pieces = [(order[i], a, b) for i, a, b in _segments(counts, start, start + sum(sizes))]
+        pieces = [(order[i], a, b) for i, a, b in segments(counts, start, start + sum(sizes))]
         if not sizes:
             return
-        reader = _Reader([(self._blocks[b], a, z) for b, a, z in pieces], self._columns)
+        stored_names = {key: INDEX_KEY if key == INDEX else key for key in self._columns}
+        reader = BlockReader([(self._blocks[b], a, z) for b, a, z in pieces], stored_names)
         rows = sum(sizes)
         capacity = min(self.buffer_rows if self.shuffle else max(sizes), rows)
-        buffer = _Buffer(capacity, self._columns)
+        buffer = ShuffleBuffer(capacity, self._columns)
         generator = _generator(self.seed, epoch, rank, worker) if self.shuffle else None
         for size in sizes:
             buffer.fill(reader, capacity if self.shuffle else size)
@@ -280,7 +257,7 @@ def _generator(*parts: int) -> torch.Generator:
 # The layout: which rows of which stored batch are read, in commit order
 
 
-def _layout(store: FeatureStore, keys: Sequence[str], incomplete: Incomplete) -> list[_Block]:
+def _layout(store: FeatureStore, keys: Sequence[str], incomplete: Incomplete) -> list[Block]:
     """The blocks of the rows holding every key, in commit order, each with the rows
     ``store`` reads from it (an index stored twice is read from its first commit)."""
     counts, blocks = dict.fromkeys(keys, 0), []
@@ -291,7 +268,7 @@ def _layout(store: FeatureStore, keys: Sequence[str], incomplete: Incomplete) ->
         for key in held:
             counts[key] += rows
         if len(held) == len(keys) and rows:
-            blocks.append(_Block(batch.shard, batch.position, rows, keep))
+            blocks.append(Block(batch.shard, batch.position, rows, keep))
     complete = sum(block.rows for block in blocks)
     for key in keys:
         if counts[key] != complete and incomplete == "error":
@@ -335,90 +312,3 @@ def _rank_share(
     if sizes[-1] == 0:  # one row fewer than the largest share: the last two share it out
         sizes[-2:] = [batch_size - 1, 1]
     return start, sizes
-
-
-def _segments(counts: list[int], start: int, stop: int) -> list[tuple[int, int, int]]:
-    """``(i, first, end)``: the rows ``[start, stop)`` of blocks of ``counts`` rows laid end
-    to end, as row ranges of block ``i``."""
-    ends = list(itertools.accumulate(counts))
-    pieces = []
-    i = bisect.bisect_right(ends, start)
-    while start < stop:
-        begin = ends[i] - counts[i]
-        end = min(ends[i], stop)
-        pieces.append((i, start - begin, end - begin))
-        start, i = end, i + 1
-    return pieces
-
-
-# Reading: from memory-mapped shards into a bounded buffer
-
-
-class _Reader:
-    """The rows of ``pieces`` (block, first row, end row) in order, a few at a time."""
-
-    def __init__(self, pieces: list[tuple[_Block, int, int]], columns: dict[str, _Column]):
-        self._pieces = collections.deque(pieces)
-        self._columns = columns
-
-    def read(self, limit: int) -> dict[str, torch.Tensor] | None:
-        """Up to ``limit`` rows, or ``None`` after the last: views of their shard, mapped only
-        as long as they are kept (so the pages of no other rows count as the process's)."""
-        if not self._pieces:
-            return None
-        block, first, end = self._pieces.popleft()
-        stop = min(end, first + limit)
-        if stop < end:
-            self._pieces.appendleft((block, stop, end))
-        rows = {}
-        names = [f"b{block.position}/{_stored_name(key)}" for key in self._columns]
-        low, high, wanted = first, stop, None
-        if block.keep is not None:  # rows low..high of the stored batch, then those kept
-            wanted = block.keep[first:stop]
-            low, high = int(wanted[0]), int(wanted[-1]) + 1
-        read = read_shard_rows(block.shard, names, low, high)
-        for key, name in zip(self._columns, names, strict=True):
-            rows[key] = read[name] if wanted is None else read[name][wanted - low]
-        if any(part.shape[0] != stop - first for part in rows.values()):
-            raise StoreError(f"shard {block.shard} changed while it was read")
-        return rows
-
-
-def _stored_name(key: str) -> str:
-    return INDEX_KEY if key == INDEX else key
-
-
-class _Buffer:
-    """``capacity`` rows per column; batches drawn at random (or in order) from those held."""
-
-    def __init__(self, capacity: int, columns: dict[str, _Column]) -> None:
-        self._rows = {
-            key: torch.empty((capacity, *column.shape), dtype=column.dtype)
-            for key, column in columns.items()
-        }
-        self._held = 0
-
-    def fill(self, reader: _Reader, upto: int) -> None:
-        while self._held < upto and (part := reader.read(upto - self._held)) is not None:
-            count = len(next(iter(part.values())))
-            for key, rows in part.items():
-                self._rows[key][self._held : self._held + count].copy_(rows)
-            self._held += count
-
-    def take(self, count: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-        """``count`` rows at random (the first ones without ``generator``); their places
-        are filled with the last rows held."""
-        held, kept = self._held, self._held - count
-        if generator is None:
-            picked = torch.arange(count)
-        else:
-            picked = torch.randperm(held, generator=generator)[:count]
-        moved = torch.ones(count, dtype=torch.bool)
-        moved[picked[picked >= kept] - kept] = False
-        holes, movers = picked[picked < kept], torch.arange(kept, held)[moved]
-        batch = {}
-        for key, rows in self._rows.items():
-            batch[key] = rows.index_select(0, picked)
-            rows.index_copy_(0, holes, rows.index_select(0, movers))
-        self._held = kept
-        return batch

@@ -27,6 +27,7 @@ CORE = [
     "pinned_ring",
     "probes",
     "remote_shards",
+    "row_buffer",
     "row_selection",
     "shard_access",
     "shard_file",

@@ -4,6 +4,7 @@
     lightning-iocatch inspect PATH|URL [--expected N] [--dataloader-idx I] [--verify]
                               [--storage-options JSON]
     lightning-iocatch export STORE OUT [--keys K ...] [--layout columns|saelens] [--hook-name NAME]
+                             [--storage-options JSON]
     lightning-iocatch plot METRICS [--out DIR]
 
 Also ``python -m lightning_iocatch``. Errors go to stderr in one line, with exit code 2
@@ -165,7 +166,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if len(meta["dataloaders"]) > 1:
         print(f"dataloader {args.dataloader_idx} of {meta['dataloaders']}")
     if args.verify:
-        print("checksums  every ledger line and every shard match their CRC-32")
+        records = "ledger line" if isinstance(store.path, Path) else "commit record"
+        print(f"checksums  every {records} and every shard match their CRC-32")
     print(f"\n{'key':<56} {'dtype':<10} {'row shape':<16} {'rows':>8}")
     for key, info in meta["keys"].items():
         shape = "varies" if info["shape"] is None else str(tuple(info["shape"]))
@@ -193,7 +195,10 @@ def _inspect(args: argparse.Namespace) -> int:
         return 1
     upto = args.expected if args.expected is not None else samples
     once = "in exactly one commit" if tokens else "exactly once"
-    print(f"\nindices    complete: each of 0..{upto - 1} present {once}")
+    if upto:
+        print(f"\nindices    complete: each of 0..{upto - 1} present {once}")
+    else:
+        print("\nindices    none: nothing is committed yet")
     return 0
 
 
@@ -208,6 +213,7 @@ def _export(args: argparse.Namespace) -> int:
         hook_name=args.hook_name,
         token_ids_key=args.token_ids_key,
         dataloader_idx=args.dataloader_idx,
+        storage_options=args.storage_options,
     )
     print(f"wrote {out} (read it with datasets.load_from_disk)")
     return 0
@@ -223,6 +229,16 @@ def _plot(args: argparse.Namespace) -> int:
     for path in save_probe_figures(read_metrics_csv(metrics), out):
         print(f"wrote {path}")
     return 0
+
+
+def _add_storage_options(command: argparse.ArgumentParser, what: str) -> None:
+    command.add_argument(
+        "--storage-options",
+        type=_storage_options,
+        metavar="JSON",
+        help=f"fsspec options for a URL {what}, e.g. "
+        '\'{"endpoint_url": "http://127.0.0.1:9000", "profile": "dumps"}\'',
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -249,12 +265,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect_.add_argument(
         "path", metavar="PATH", help="the directory FeatureWriter wrote, or its fsspec URL"
     )
-    inspect_.add_argument(
-        "--storage-options",
-        type=_storage_options,
-        metavar="JSON",
-        help='fsspec options for a URL PATH, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
-    )
+    _add_storage_options(inspect_, "PATH")
     inspect_.add_argument(
         "--expected", type=_count, help="the data set size (default: max index + 1)"
     )
@@ -272,8 +283,13 @@ def _parser() -> argparse.ArgumentParser:
         "(Arrow, read it with datasets.load_from_disk): one column per key plus `index`, or "
         "the layout SAELens reads for cached activations (--layout saelens). Needs `datasets`.",
     )
-    export.add_argument("store", metavar="STORE", help="the directory FeatureWriter wrote")
-    export.add_argument("out", metavar="OUT", help="a new (or empty) directory for the dataset")
+    export.add_argument(
+        "store", metavar="STORE", help="the directory FeatureWriter wrote, or its fsspec URL"
+    )
+    export.add_argument(
+        "out", metavar="OUT", help="a new (or empty) local directory for the dataset"
+    )
+    _add_storage_options(export, "STORE")
     export.add_argument("--keys", nargs="+", metavar="K", help="keys to export (default: all)")
     export.add_argument(
         "--layout",

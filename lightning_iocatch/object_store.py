@@ -22,7 +22,16 @@ The protocol, with every request made through the URL's fsspec filesystem:
 4. ``mode="resume"`` deletes the shard objects without a commit record (debris of a killed
    run) and continues each rank at the sequence number after its last commit;
    ``mode="overwrite"`` deletes ``store.json``, every shard object and every commit record.
-   Both touch only the names above: any other object under the prefix is kept.
+   Both touch only the names above: any other object under the prefix is kept. Each object
+   is deleted by its exact name (never a glob), and the prefix is listed again afterwards:
+   an object still there is an error (S3 answers a batch delete without permission with
+   success).
+
+A store written on disk and copied to object storage (``aws s3 sync``) commits its shards
+with ledgers (``ledger-r000.jsonl``) instead; a store downloaded from object storage keeps
+its ``commits/`` folder. Both commit points are read wherever the store lives
+(:func:`read_commit_entries`, :func:`read_commit_files`): a shard named by either counts,
+and resume deletes neither.
 
 Not protected against: two runs writing one prefix at once, and an object store whose
 listing does not show an object written before it (S3 and GCS list strongly consistently).
@@ -34,21 +43,31 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import LedgerEntry, ShardRecord
+from lightning_iocatch.ledger import LedgerEntry, ShardRecord, _scan_ledger
 from lightning_iocatch.store_files import (
+    READABLE_FORMATS,
     STORE_FILE,
     check_store_json,
+    ledger_rank,
     read_store_json,
     shard_name,
     shard_rank_and_seq,
 )
-from lightning_iocatch.store_fs import ObjectLocation, StoreLocation, remote_error
+from lightning_iocatch.store_fs import (
+    ObjectLocation,
+    StoreLocation,
+    is_remote_failure,
+    remote_error,
+    remote_request,
+)
 
 __all__ = [
     "COMMITS",
@@ -59,6 +78,7 @@ __all__ = [
     "is_own_object",
     "list_objects",
     "read_commit_entries",
+    "read_commit_files",
     "read_object",
     "read_store_info",
     "write_object",
@@ -90,6 +110,7 @@ def is_own_object(name: str) -> bool:
         name == STORE_FILE
         or shard_rank_and_seq(name.removesuffix(".tmp")) is not None
         or commit_rank_and_seq(name) is not None
+        or ledger_rank(name) is not None
     )
 
 
@@ -99,11 +120,9 @@ def is_own_object(name: str) -> bool:
 def list_objects(location: ObjectLocation) -> dict[str, int]:
     """Every object under the store's prefix: name relative to it -> size in bytes."""
     fs = location.fs
-    try:
+    with remote_request("list", location.url):
         fs.invalidate_cache(location.root)  # another process may have written since
         found = fs.find(location.root, detail=True)
-    except OSError as error:
-        raise remote_error("list", location.url, error) from error
     prefix = location.root + "/"
     return {
         path[len(prefix) :]: int(info.get("size") or 0)
@@ -114,30 +133,46 @@ def list_objects(location: ObjectLocation) -> dict[str, int]:
 
 def read_object(location: ObjectLocation, name: str) -> bytes:
     """The bytes of the store's object ``name``."""
-    try:
+    with remote_request("read", location.url_of(name)):
         data: bytes = location.fs.cat_file(location.path(name))
-    except OSError as error:
-        raise remote_error("read", location.url_of(name), error) from error
     return data
 
 
 def write_object(location: ObjectLocation, name: str, data: bytes) -> None:
     """Write the store's small object ``name`` in one request."""
-    try:
+    with remote_request("write", location.url_of(name)):
         location.fs.pipe_file(location.path(name), data)
-    except OSError as error:
-        raise remote_error("write", location.url_of(name), error) from error
 
 
 def delete_objects(location: ObjectLocation, names: Iterable[str]) -> None:
-    """Delete the store's own objects ``names`` (batched by the filesystem)."""
-    paths = [location.path(name) for name in names if is_own_object(name)]
-    if not paths:
+    """Delete the store's own objects ``names``, then list the prefix to see them gone.
+
+    Each object is deleted by its exact path (``rm_file``: never ``rm``, which expands the
+    glob characters a prefix may hold), 16 requests at a time. A delete that fails quietly
+    (S3's batch delete answers 200 and a per-key AccessDenied, which s3fs ignores) leaves
+    the object listed: that raises a :class:`StoreError` naming what is left.
+    """
+    wanted = sorted({name for name in names if is_own_object(name)})
+    if not wanted:
         return
-    try:
-        location.fs.rm(paths)
-    except OSError as error:
-        raise remote_error("delete objects in", location.url, error) from error
+    fs = location.fs
+
+    def delete(name: str) -> None:
+        gone = contextlib.suppress(FileNotFoundError)  # already gone: as asked
+        with remote_request("delete", location.url_of(name)), gone:
+            fs.rm_file(location.path(name))
+
+    with ThreadPoolExecutor(min(16, len(wanted))) as pool:
+        list(pool.map(delete, wanted))  # the first failure is raised here
+    left = [name for name in wanted if name in list_objects(location)]
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        raise StoreError(
+            f"objects of the store {location.url} are still there after the filesystem "
+            f"reported them deleted: {shown}; the likely cause is a missing s3:DeleteObject "
+            "permission (S3 answers a denied batch delete with success): grant it, or "
+            "delete them yourself, and run again"
+        )
 
 
 def write_shard_object(location: ObjectLocation, name: str, write: Callable[[IO[bytes]], T]) -> T:
@@ -153,10 +188,8 @@ def write_shard_object(location: ObjectLocation, name: str, write: Callable[[IO[
     """
     from fsspec.spec import AbstractBufferedFile
 
-    try:
+    with remote_request("write", location.url_of(name)):
         handle = location.fs.open(location.path(name), "wb")
-    except OSError as error:
-        raise remote_error("write", location.url_of(name), error) from error
     try:
         result = write(handle)
         handle.close()
@@ -165,7 +198,7 @@ def write_shard_object(location: ObjectLocation, name: str, write: Callable[[IO[
             handle.discard()
         if isinstance(handle, AbstractBufferedFile):
             handle.closed = True  # never flushed nor completed by ``close`` or ``__del__``
-        if isinstance(error, OSError):
+        if isinstance(error, Exception) and is_remote_failure(error):
             raise remote_error("write", location.url_of(name), error) from error
         raise
     return result
@@ -196,7 +229,9 @@ def read_store_info(location: StoreLocation) -> dict[str, Any]:
             f"{location.url} is not a feature store: it has no {STORE_FILE} (stores are "
             "written by lightning_iocatch.FeatureWriter)"
         ) from error
-    except OSError as error:
+    except Exception as error:
+        if not is_remote_failure(error):
+            raise
         raise remote_error("read", where, error) from error
     try:
         data = json.loads(raw.decode("utf-8"))
@@ -205,38 +240,83 @@ def read_store_info(location: StoreLocation) -> dict[str, Any]:
     return check_store_json(data, where)
 
 
-def read_commit_entries(location: ObjectLocation, listing: dict[str, int]) -> list[LedgerEntry]:
-    """The commit record of every committed shard, by rank then sequence number.
+def read_commit_entries(
+    location: ObjectLocation, listing: dict[str, int], *, store_format: str | None = None
+) -> list[LedgerEntry]:
+    """The record of every committed shard, by rank then sequence number: its commit record,
+    or its line in a ledger object (a store written on disk and copied here).
 
-    ``listing`` is :func:`list_objects`' answer; the records are fetched concurrently where
-    the filesystem can. A record that is not a valid record of its own shard raises a
-    :class:`StoreError` naming it.
+    ``listing`` is :func:`list_objects`' answer, ``store_format`` that of ``store.json``
+    (ledger lines of format ``/1`` carry no checksum); every object is fetched by its exact
+    name, concurrently where the filesystem can. Damage raises a :class:`StoreError`
+    naming the object (and the ledger line).
     """
-    names = sorted(
-        (named, name) for name in listing if (named := commit_rank_and_seq(name)) is not None
-    )
+    commits = sorted((n, name) for name in listing if (n := commit_rank_and_seq(name)) is not None)
+    ledgers = sorted(name for name in listing if ledger_rank(name) is not None)
+    names = [name for _, name in commits] + ledgers
     if not names:
         return []
-    paths = [location.path(name) for _, name in names]
-    try:
-        fetched = location.fs.cat(paths, on_error="return")
-    except OSError as error:
-        raise remote_error("read commit records in", location.url, error) from error
-    entries = []
-    for (named, name), path in zip(names, paths, strict=True):
-        where = location.url_of(name)
-        data = fetched.get(path)
+    paths = [location.path(name) for name in names]
+    with remote_request("read commit records in", location.url):
+        fetched = location.fs.cat_ranges(
+            paths, [None] * len(paths), [None] * len(paths), on_error="return"
+        )
+    for name, data in zip(names, fetched, strict=True):
         if not isinstance(data, bytes):
-            failure = data if isinstance(data, OSError) else OSError(f"no answer: {data!r}")
-            raise remote_error("read", where, failure)
+            failure = data if isinstance(data, BaseException) else OSError(repr(data))
+            raise remote_error("read", location.url_of(name), failure)
+    entries = [
+        _commit_entry(location.url_of(name), named, data)
+        for (named, name), data in zip(commits, fetched[: len(commits)], strict=True)
+    ]
+    required = store_format != READABLE_FORMATS[0]
+    for name, data in zip(ledgers, fetched[len(commits) :], strict=True):
+        path = Path(location.path(name))  # the scan names it in messages: give the URL
         try:
-            record = ShardRecord.from_json(data.decode("utf-8"))
-        except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
-            raise StoreError(f"commit record {where} is damaged: {error}") from error
-        if record.file != shard_name(*named):
-            raise StoreError(
-                f"commit record {where} is damaged: it records {record.file}, not "
-                f"{shard_name(*named)}"
-            )
-        entries.append(LedgerEntry(where, 0, record))
+            scanned = _scan_ledger(path, data, checksum_required=required).entries
+        except StoreError as error:
+            raise StoreError(str(error).replace(str(path), location.url_of(name), 1)) from error
+        entries += [LedgerEntry(location.url_of(name), e.line, e.record) for e in scanned]
+    return sorted(entries, key=lambda entry: shard_rank_and_seq(entry.record.file) or (-1, -1))
+
+
+def read_commit_files(root: Path) -> list[LedgerEntry]:
+    """The commit records in ``root/commits`` of a local store (one written on object
+    storage and downloaded), by rank then sequence number; other files there are ignored."""
+    folder = root / COMMITS
+    if folder.is_symlink():
+        raise StoreError(
+            f"{folder} is a symbolic link; a feature store reads only its own files inside "
+            "its directory"
+        )
+    if not folder.is_dir():
+        return []
+    found = sorted(
+        (named, name)
+        for name in os.listdir(folder)
+        if (named := commit_rank_and_seq(f"{COMMITS}/{name}")) is not None
+    )
+    entries = []
+    for named, name in found:
+        path = folder / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as handle:
+                data = handle.read()
+        except OSError as error:
+            raise StoreError(f"cannot read commit record {path}: {error}") from error
+        entries.append(_commit_entry(str(path), named, data))
     return entries
+
+
+def _commit_entry(where: str, named: tuple[int, int], data: bytes) -> LedgerEntry:
+    """The commit record ``data`` of the ``named`` shard, read at ``where``, once valid."""
+    try:
+        record = ShardRecord.from_json(data.decode("utf-8"))
+    except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
+        raise StoreError(f"commit record {where} is damaged: {error}") from error
+    if record.file != shard_name(*named):
+        raise StoreError(
+            f"commit record {where} is damaged: it records {record.file}, not {shard_name(*named)}"
+        )
+    return LedgerEntry(where, 0, record)

@@ -5,10 +5,12 @@ dtype, shape and byte offsets) and the tensors' bytes. Opening a remote store
 (:func:`open_remote_shards`) reads, per committed shard, a first range sized from its
 commit record to hold its header and its batches' ``__index__`` tensors (these follow the
 header when no stored key is wider than 8 bytes; a longer header or indices elsewhere take
-one more request); tensors are then read with ranged requests of exactly their bytes
-(:func:`read_tensors`, :func:`read_rows`), never a whole shard unless asked
-(:func:`shard_crc32`). Every range goes through the filesystem's ``cat_ranges``, which
-asynchronous filesystems (s3fs, gcsfs) answer concurrently.
+one more request); tensors are then read with ranged requests of their bytes
+(:func:`read_tensors`, :func:`read_rows`; two ranges of a shard less than 64 KiB apart are
+read as one, so a read holds at most 64 KiB between the tensors asked), never a whole shard
+unless asked (:func:`shard_crc32`). Every range goes through the filesystem's
+``cat_ranges``, which asynchronous filesystems (s3fs, gcsfs) answer concurrently; an empty
+range (a tensor with no elements) is not requested.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from lightning_iocatch.ledger import LedgerEntry
 from lightning_iocatch.shard_file import STORABLE_DTYPES
 from lightning_iocatch.shard_headers import check_header
 from lightning_iocatch.store_files import INDEX_KEY
-from lightning_iocatch.store_fs import ObjectLocation, remote_error
+from lightning_iocatch.store_fs import ObjectLocation, remote_error, remote_request
 
 __all__ = [
     "OpenedShard",
@@ -154,14 +156,14 @@ def read_rows(
 def shard_crc32(shard: RemoteShard, chunk: int = 16 << 20) -> int:
     """CRC-32 of the whole shard object, streamed ``chunk`` bytes at a time."""
     crc = 0
-    try:
-        with shard.location.fs.open(
+    with (
+        remote_request("read", str(shard)),
+        shard.location.fs.open(
             shard.location.path(shard.name), "rb", block_size=chunk, cache_type="none"
-        ) as handle:
-            while block := handle.read(chunk):
-                crc = zlib.crc32(block, crc)
-    except OSError as error:
-        raise remote_error("read", str(shard), error) from error
+        ) as handle,
+    ):
+        while block := handle.read(chunk):
+            crc = zlib.crc32(block, crc)
     return crc
 
 
@@ -209,27 +211,27 @@ def _parse_header(location: ObjectLocation, name: str, size: int, raw: bytes) ->
 
 
 def _fetch(location: ObjectLocation, ranges: Sequence[tuple[str, int, int]]) -> list[memoryview]:
-    """The bytes of each ``(name, start, end)``; close ranges of one object read together."""
-    if not ranges:
-        return []
+    """The bytes of each ``(name, start, end)``; close ranges of one object read together,
+    empty ones not at all (an empty HTTP range cannot be asked for)."""
+    wanted = [i for i, (_, start, end) in enumerate(ranges) if end > start]
+    if not wanted:
+        return [memoryview(b"") for _ in ranges]
     merged: list[tuple[str, int, int]] = []
-    owner = [0] * len(ranges)
-    for i in sorted(range(len(ranges)), key=lambda i: ranges[i]):
+    owner = [-1] * len(ranges)
+    for i in sorted(wanted, key=lambda i: ranges[i]):
         name, start, end = ranges[i]
         if merged and merged[-1][0] == name and start - merged[-1][2] <= _MERGE_GAP:
             merged[-1] = (name, merged[-1][1], max(merged[-1][2], end))
         else:
             merged.append((name, start, end))
         owner[i] = len(merged) - 1
-    try:
+    with remote_request("read", location.url):
         data = location.fs.cat_ranges(
             [location.path(name) for name, _, _ in merged],
             [start for _, start, _ in merged],
             [end for _, _, end in merged],
             on_error="return",
         )
-    except OSError as error:
-        raise remote_error("read", location.url, error) from error
     for (name, start, end), raw in zip(merged, data, strict=True):
         if isinstance(raw, BaseException):
             failure = raw if isinstance(raw, Exception) else OSError(str(raw))
@@ -241,6 +243,9 @@ def _fetch(location: ObjectLocation, ranges: Sequence[tuple[str, int, int]]) -> 
             )
     out = []
     for i, (_, start, end) in enumerate(ranges):
+        if owner[i] < 0:
+            out.append(memoryview(b""))
+            continue
         offset = start - merged[owner[i]][1]
         out.append(memoryview(data[owner[i]])[offset : offset + end - start])
     return out

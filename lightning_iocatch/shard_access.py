@@ -3,6 +3,8 @@
 A local store's committed shards are those of its ledgers, memory-mapped by safetensors
 (``safe_open``) when read; a store on object storage has those of its commit records, read
 with ranged requests of just the bytes asked for (:mod:`lightning_iocatch.remote_shards`).
+Either commit point counts wherever it is found: a store copied from disk to object
+storage keeps its ledgers, one downloaded from object storage its ``commits/`` folder.
 :class:`~lightning_iocatch.FeatureStore` and
 :class:`~lightning_iocatch.training_data.StoreRows` open and read through these functions
 and never ask where a shard is.
@@ -19,7 +21,12 @@ from safetensors import SafetensorError, safe_open
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.ledger import LedgerEntry, file_crc32, read_ledger_entries
-from lightning_iocatch.object_store import list_objects, read_commit_entries, read_store_info
+from lightning_iocatch.object_store import (
+    list_objects,
+    read_commit_entries,
+    read_commit_files,
+    read_store_info,
+)
 from lightning_iocatch.remote_shards import (
     OpenedShard,
     RemoteShard,
@@ -52,11 +59,12 @@ def open_committed(
     (header checked against its record, indices read)."""
     info = read_store_info(location)
     if isinstance(location, Path):
-        entries = sorted(read_ledger_entries(location), key=_rank_and_seq)
+        entries = read_ledger_entries(location) + read_commit_files(location)
+        entries.sort(key=_rank_and_seq)
         files = check_shards(location, entries)
         return info, entries, {**files}, {**files}
     listing = list_objects(location)
-    entries = read_commit_entries(location, listing)
+    entries = read_commit_entries(location, listing, store_format=info["format"])
     opened = open_remote_shards(location, entries, listing)
     return info, entries, {name: shard.shard for name, shard in opened.items()}, {**opened}
 

@@ -19,8 +19,9 @@ after a ``fork``: :attr:`ObjectLocation.fs` makes a new one in each process, and
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,14 @@ from lightning_iocatch.errors import StoreError
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
-__all__ = ["ObjectLocation", "StoreLocation", "remote_error", "resolve_location"]
+__all__ = [
+    "ObjectLocation",
+    "StoreLocation",
+    "is_remote_failure",
+    "remote_error",
+    "remote_request",
+    "resolve_location",
+]
 
 
 class ObjectLocation:
@@ -130,6 +138,7 @@ def resolve_location(
         )
     text = os.fspath(path)
     if not isinstance(text, str) or "://" not in text:
+        _refuse_a_url_with_one_slash(text)
         if storage_options:
             raise ValueError(
                 f"`storage_options` apply to fsspec URLs (s3://..., gs://...), but {text!r} is "
@@ -140,15 +149,15 @@ def resolve_location(
     from fsspec.implementations.local import LocalFileSystem
 
     options = dict(storage_options or {})
+    protocol = text.split("://", 1)[0]
     try:
         fs, root = fsspec.core.url_to_fs(text, **options)
     except ImportError as error:
-        protocol = text.split("://", 1)[0]
         raise StoreError(
             f"cannot open {text}: fsspec needs a package for {protocol}:// ({error}); for "
             "S3, pip install 'lightning-iocatch[s3]'"
         ) from error
-    except ValueError as error:
+    except (ValueError, TypeError) as error:  # TypeError: an option the filesystem refuses
         raise StoreError(f"cannot open {text}: {error}") from error
     if isinstance(fs, LocalFileSystem):
         if options:
@@ -156,18 +165,65 @@ def resolve_location(
                 f"`storage_options` do not apply to the local path {text!r}; drop them"
             )
         return Path(root)
-    if not root.strip("/"):
+    parts = root.strip("/").split("/")
+    if not parts[0]:
         raise StoreError(
-            f"{text} names no prefix for the store; give one, e.g. {text.rstrip('/')}/features"
+            f"{text} names no bucket; write {protocol}://BUCKET/PREFIX, e.g. "
+            f"{protocol}://my-bucket/features"
+        )
+    if len(parts) == 1:
+        raise StoreError(
+            f"{text} names a bucket but no prefix inside it; a store needs a prefix of its "
+            f"own (resume and overwrite list all of it), e.g. {text.rstrip('/')}/features"
         )
     return ObjectLocation(text, options, root, fs)
 
 
-def remote_error(doing: str, where: str, error: Exception) -> StoreError:
+def _refuse_a_url_with_one_slash(text: str) -> None:
+    """``s3:/bucket/run`` is a mistyped URL, not a local directory named ``s3:``."""
+    protocol, colon, rest = text.partition(":")
+    if colon and len(protocol) > 1 and rest.startswith("/") and protocol.isidentifier():
+        import fsspec
+
+        if protocol in fsspec.available_protocols() and protocol not in ("file", "local"):
+            raise StoreError(
+                f"{text!r} is neither a local path nor a URL; did you mean "
+                f"{protocol}://{rest.lstrip('/')}?"
+            )
+
+
+_CLIENT_PACKAGES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "azure")
+
+
+def is_remote_failure(error: BaseException) -> bool:
+    """True for what a failed request to object storage raises: an ``OSError`` (s3fs
+    translates S3's error codes into them), an exception of the filesystem's client library
+    (botocore's ``EndpointConnectionError``, ``NoCredentialsError``, ...), or the
+    ``TypeError`` a client raises for a storage option it does not take."""
+    if isinstance(error, OSError):
+        return True
+    if isinstance(error, TypeError):
+        return "unexpected keyword argument" in str(error)
+    return type(error).__module__.split(".")[0] in _CLIENT_PACKAGES
+
+
+@contextlib.contextmanager
+def remote_request(doing: str, where: str) -> Iterator[None]:
+    """Turn a failed request in the block into :func:`remote_error`'s one clear error."""
+    try:
+        yield
+    except Exception as error:
+        if not is_remote_failure(error):
+            raise
+        raise remote_error(doing, where, error) from error
+
+
+def remote_error(doing: str, where: str, error: BaseException) -> StoreError:
     """One clear :class:`StoreError` for a failed request to object storage.
 
     ``doing`` says what failed (``"read"``, ``"list"``, ``"write"``), ``where`` the URL.
     """
+    kind = type(error).__name__
     if isinstance(error, PermissionError):
         return StoreError(
             f"access denied to {where} ({doing}): {error}; check the credentials in "
@@ -178,4 +234,23 @@ def remote_error(doing: str, where: str, error: Exception) -> StoreError:
         return StoreError(
             f"cannot {doing} {where}: {error}; create the bucket first, or fix the URL"
         )
-    return StoreError(f"cannot {doing} {where}: {type(error).__name__}: {error}")
+    if isinstance(error, TypeError):
+        return StoreError(
+            f"cannot {doing} {where}: `storage_options` holds an option the filesystem does "
+            f"not take ({error}); fix its name (s3fs takes endpoint_url, key, secret, token, "
+            "profile, anon, client_kwargs, config_kwargs, ...)"
+        )
+    if "Credentials" in kind:  # botocore's NoCredentialsError, PartialCredentialsError
+        return StoreError(
+            f"cannot {doing} {where}: no credentials ({kind}: {error}); pass `key` and "
+            "`secret` (or `profile`; `anon: true` for a public bucket) in `storage_options`, "
+            "or set them where the filesystem reads them (AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, ~/.aws/credentials)"
+        )
+    if isinstance(error, (ConnectionError, TimeoutError)) or "Connect" in kind or "Timeout" in kind:
+        return StoreError(
+            f"cannot reach {where} ({doing}): {kind}: {error}; check the URL and "
+            "`endpoint_url` in `storage_options`, and that the server is up and reachable "
+            "from here"
+        )
+    return StoreError(f"cannot {doing} {where}: {kind}: {error}")

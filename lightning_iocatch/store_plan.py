@@ -9,6 +9,7 @@ Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -25,11 +26,12 @@ from safetensors import SafetensorError, safe_open
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.ledger import LedgerEntry, drop_torn_tail, read_ledger_entries
 from lightning_iocatch.object_store import (
+    COMMITS,
     commit_rank_and_seq,
     delete_objects,
-    is_own_object,
     list_objects,
     read_commit_entries,
+    read_commit_files,
     read_store_info,
     write_object,
 )
@@ -149,6 +151,7 @@ def prepare_store(
                     (path / name).unlink()
                 elif _is_our_serializer_temp(path, name):
                     (path / name).unlink()
+            _delete_commit_files(path)
             fsync_dir(path)
         write_json_atomic(path / STORE_FILE, _store_json(settings))
         return StorePlan(read_store_json(path))
@@ -184,16 +187,10 @@ def _prepare_objects(
     if mode == "create" and listing:
         _refuse_not_empty(location, sorted(listing))
     if mode == "overwrite":  # store.json first: a store cut short here is no store at all
+        points = {n for n in listing if commit_rank_and_seq(n) or ledger_rank(n) is not None}
         delete_objects(location, [name for name in listing if name == STORE_FILE])
-        delete_objects(location, [name for name in listing if commit_rank_and_seq(name)])
-        delete_objects(
-            location,
-            [
-                n
-                for n in listing
-                if is_own_object(n) and n != STORE_FILE and not commit_rank_and_seq(n)
-            ],
-        )
+        delete_objects(location, points)  # then no shard counts
+        delete_objects(location, [n for n in listing if n != STORE_FILE and n not in points])
     data = json.dumps(_store_json(settings), indent=2, sort_keys=True).encode()
     write_object(location, STORE_FILE, data)
     return StorePlan(read_store_info(location))
@@ -215,7 +212,7 @@ def _resume(path: StoreLocation, settings: Mapping[str, Any]) -> StorePlan:
                 f"{now!r}; resume with the same {name}, or write to another path"
             )
     if isinstance(path, ObjectLocation):
-        entries, indices = _clean_objects(path)
+        entries, indices = _clean_objects(path, info["format"])
     else:
         entries = _clean_files(path)
         indices = _file_indices(path)
@@ -256,7 +253,7 @@ def _clean_files(path: Path) -> list[LedgerEntry]:
         if ledger_rank(name) is not None:
             check_own_path(path, name, for_writing=True)  # refuses a symbolic link
             drop_torn_tail(path / name)
-    entries = read_ledger_entries(path)
+    entries = read_ledger_entries(path) + read_commit_files(path)  # commits/: downloaded
     committed_files = {entry.record.file for entry in entries}
     for name in names:
         unfinished = is_store_file(name) and name.endswith(".tmp")
@@ -296,12 +293,25 @@ def _file_indices(path: Path) -> Callable[[LedgerEntry], list[torch.Tensor]]:
     return indices
 
 
+def _delete_commit_files(path: Path) -> None:
+    """Delete the commit records of a store downloaded from object storage (``commits/``)."""
+    folder = path / COMMITS
+    if folder.is_symlink() or not folder.is_dir():
+        return  # a link is never followed for writing; reading it is refused
+    for name in os.listdir(folder):
+        if commit_rank_and_seq(f"{COMMITS}/{name}") is not None:
+            (folder / name).unlink()
+    with contextlib.suppress(OSError):  # holding other files: kept
+        folder.rmdir()
+
+
 def _clean_objects(
-    location: ObjectLocation,
+    location: ObjectLocation, store_format: str
 ) -> tuple[list[LedgerEntry], Callable[[LedgerEntry], list[torch.Tensor]]]:
-    """Delete shard objects without a commit record; the committed records and indices."""
+    """Delete shard objects without a commit record (or ledger line: a store copied from
+    disk); the committed records and indices."""
     listing = list_objects(location)
-    entries = read_commit_entries(location, listing)
+    entries = read_commit_entries(location, listing, store_format=store_format)
     committed = {entry.record.file for entry in entries}
     delete_objects(
         location,

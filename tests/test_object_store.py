@@ -234,15 +234,29 @@ def test_opening_reads_headers_and_a_key_reads_only_its_tensors() -> None:
     location.fs.rm(location.fs.find(location.root))
 
 
-def test_feature_writer_and_inspect_take_urls(
+def test_feature_writer_inspect_and_export_take_urls(
     url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     dump(url, batches())
     assert main(["inspect", url, "--verify", "--expected", str(N)]) == 0
     printed = capsys.readouterr().out
     assert f"rows       {N}" in printed and "under the prefix" in printed
+    assert "every commit record and every shard match their CRC-32" in printed
     assert main(["inspect", url + "-missing"]) == 2
     assert "is not a feature store: it has no store.json" in capsys.readouterr().err
+    prepare_store(url + "-empty", "create", SETTINGS)
+    assert main(["inspect", url + "-empty"]) == 0
+    assert "indices    none: nothing is committed yet" in capsys.readouterr().out
+    options = json.dumps({"skip_instance_cache": True})
+    out = tmp_path / "exported"
+    args = ["export", url, str(out), "--keys", "h/outputs", "--storage-options", options]
+    assert main(args) == 0
+    from datasets import load_from_disk
+
+    exported = load_from_disk(str(out)).with_format("torch")[:]
+    want = torch.cat([t["h/outputs"] for _, t in batches()]).float()
+    assert torch.equal(exported["h/outputs"], want[exported["index"]])
+    assert sorted(exported["index"].tolist()) == list(range(N))
     # file:// is a local path: the POSIX protocol, a ledger
     writer = FeatureWriter(f"file://{tmp_path}/local")
     assert writer.path == tmp_path / "local"
@@ -252,7 +266,9 @@ def test_feature_writer_and_inspect_take_urls(
     ("path", "options", "error", "match"),
     [
         ("nosuchprotocol://b/run", None, StoreError, "cannot open nosuchprotocol://b/run"),
-        ("memory://", None, StoreError, r"names no prefix for the store; give one, e\.g\."),
+        ("memory://", None, StoreError, r"names no bucket; write memory://BUCKET/PREFIX, e\.g\."),
+        ("memory://b/", None, StoreError, r"names a bucket but no prefix .* memory://b/features$"),
+        ("s3:/b/run", None, StoreError, r"did you mean s3://b/run\?"),
         ("features/", {"key": "k"}, ValueError, "`storage_options` apply to fsspec URLs"),
         ("memory://b/run", ["key"], TypeError, "`storage_options` must be a dict"),
     ],
@@ -274,3 +290,91 @@ def test_an_object_location_pickles_without_its_filesystem(url: str) -> None:
     copy = pickle.loads(pickle.dumps(location))
     assert copy == location and copy.options == {"skip_instance_cache": True}
     assert "_fs" not in json.dumps(location.__getstate__())
+
+
+class QuietDeleteFileSystem(MemoryFileSystem):
+    """``memory://`` whose deletes report success and do nothing, as S3's batch delete does
+    for keys it denies (``quietdelete://``, the same objects as ``memory://``)."""
+
+    protocol = "quietdelete"
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return str(super()._strip_protocol(path.removeprefix("quietdelete://")))
+
+    def rm_file(self, path: str) -> None:
+        pass
+
+
+fsspec.register_implementation("quietdelete", QuietDeleteFileSystem, clobber=True)
+
+
+def test_objects_a_delete_left_behind_are_an_error_not_an_old_store(url: str) -> None:
+    quiet = url.replace("memory://", "quietdelete://")
+    dump(url, batches()[:4])  # 16 indices in 2 shards
+    location = resolve_location(url)
+    assert isinstance(location, ObjectLocation)
+    before = objects(url)
+    left = "are still there after the filesystem reported them deleted: store.json;"
+    with pytest.raises(StoreError, match=rf"{left} .*missing s3:DeleteObject permission"):
+        dump(quiet, batches()[:1], mode="overwrite")
+    assert objects(url) == before  # nothing written over the old store
+    location.fs.rm_file(location.path("commits/r000-000001.json"))  # its shard: uncommitted
+    with pytest.raises(StoreError, match=r"still there .*: shard-r000-000001.safetensors;"):
+        dump(quiet, batches(), mode="resume")
+    assert FeatureStore(url).indices.tolist() == list(range(8))
+
+
+def test_a_store_copied_between_disk_and_object_storage_reads_and_resumes(
+    tmp_path: Path, url: str
+) -> None:
+    data, local = batches(), tmp_path / "local"
+    want = torch.cat([t["h/outputs"] for _, t in data])
+    dump(local, data[:4])  # 16 indices, in ledger-r000.jsonl
+    fs = fsspec.filesystem("memory")
+    root = url.removeprefix("memory://")
+    for file in local.iterdir():  # as `aws s3 sync` copies it
+        fs.pipe_file(f"{root}/{file.name}", file.read_bytes())
+    copied = objects(url)
+    store = FeatureStore(url, verify=True)
+    assert store.indices.tolist() == list(range(16)) and torch.equal(store["h/outputs"], want[:16])
+    dump(url, data, mode="resume")  # the ledger's shards are committed: kept, not rewritten
+    after = objects(url)
+    assert all(after[name] == copied[name] for name in copied)
+    store = FeatureStore(url)
+    assert store.indices.tolist() == list(range(N)) and torch.equal(store["h/outputs"], want)
+    # ... and a store on object storage downloaded to disk keeps its commits/ folder
+    down = tmp_path / "down"
+    for name, raw in after.items():
+        (down / name).parent.mkdir(parents=True, exist_ok=True)
+        (down / name).write_bytes(raw)
+    store = FeatureStore(down, verify=True)
+    assert store.indices.tolist() == list(range(N)) and torch.equal(store["h/outputs"], want)
+    max(down.glob("commits/r*.json")).unlink()  # the last shard: uncommitted
+    dump(down, data, mode="resume")
+    assert torch.equal(FeatureStore(down)["h/outputs"], want)
+    # overwrite deletes either layout's commit points
+    dump(down, data[:1], mode="overwrite")
+    dump(url, data[:1], mode="overwrite")
+    assert not (down / "commits").exists() and "ledger-r000.jsonl" not in objects(url)
+    assert FeatureStore(down).indices.tolist() == FeatureStore(url).indices.tolist() == [0, 1, 2, 3]
+
+
+def test_a_prefix_with_glob_characters_touches_only_its_own_objects(url: str) -> None:
+    data = batches()
+    neighbours = {name: url.replace("/run", name) for name in ("/br1", "/run-2", "/rux")}
+    for neighbour in neighbours.values():
+        dump(neighbour, data[:2])
+    kept = {name: objects(neighbour) for name, neighbour in neighbours.items()}
+    for name in ("/br[1]", "/run*", "/ru?"):
+        prefix = url.replace("/run", name)
+        dump(prefix, data[2:4])
+        store = FeatureStore(prefix)
+        assert store.indices.tolist() == list(range(8, 16))
+        dump(prefix, data[:1], mode="overwrite")
+        location = resolve_location(prefix)
+        assert isinstance(location, ObjectLocation)
+        location.fs.pipe_file(location.path("shard-r000-000003.safetensors"), b"debris")
+        dump(prefix, data[:2], mode="resume")
+        assert FeatureStore(prefix).indices.tolist() == list(range(8))
+    assert {name: objects(neighbour) for name, neighbour in neighbours.items()} == kept

@@ -33,9 +33,11 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_help_of_every_command() -> None:
-    for command in (["modules"], ["inspect"], ["plot"]):
+    for command in (["modules"], ["inspect"], ["export"], ["plot"]):
         result = cli(*command, "--help")
         assert result.returncode == 0 and "usage: lightning-iocatch" in result.stdout
+        if command in (["inspect"], ["export"]):  # both read a store on disk or at a URL
+            assert "fsspec URL" in result.stdout and "--storage-options JSON" in result.stdout
     assert "modules" in cli("--help").stdout and cli().returncode == 2  # no command
 
 

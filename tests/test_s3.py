@@ -26,10 +26,12 @@ from torch.utils.data import DataLoader
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
 from lightning_iocatch.cli import main
 from lightning_iocatch.ledger import read_ledgers
+from lightning_iocatch.store_fs import resolve_location
 from lightning_iocatch.store_plan import prepare_store
 from lightning_iocatch.training_data import StoreRows
 from tests.lightning_models import trainer
 from tests.s3_server import S3Server, s3_available
+from tests.test_object_store import batches, dump
 from tests.test_writer_resume import (
     SHARD_BYTES,
     SPEC,
@@ -194,3 +196,71 @@ def test_a_missing_bucket_and_denied_credentials_give_one_clear_error(
             FeatureStore(f"s3://{bucket}/run", storage_options=denied)
     finally:
         server.deny_unknown_credentials(False)
+
+
+def test_glob_characters_empty_tensors_and_quiet_deletes_on_s3(
+    server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    options = server.storage_options()
+    fs = s3fs.S3FileSystem(**options)
+    data = [(i, {**t, "none": t["h/outputs"][:, :0]}) for i, t in batches()]
+    dump(resolve_location(f"s3://{bucket}/br1", options), data)  # the neighbour
+    kept = fs.find(f"{bucket}/br1", detail=True)
+    url = f"s3://{bucket}/br[1]"
+    dump(resolve_location(url, options), data[:2])
+    dump(resolve_location(url, options), data, mode="overwrite", shard=10)  # a batch a shard
+    store = FeatureStore(url, storage_options=options)
+    assert torch.equal(store["h/outputs"], torch.cat([t["h/outputs"] for _, t in data]))
+    assert store["none"].shape == (len(store), 0) and store["none"].dtype == torch.bfloat16
+    fs.invalidate_cache()
+    assert fs.find(f"{bucket}/br1", detail=True) == kept  # the neighbour is untouched
+
+    async def deny_quietly(*args: Any, **kwargs: Any) -> list[str]:  # as a denied batch delete
+        return []
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_rm_file", deny_quietly)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_bulk_delete", deny_quietly)
+    with pytest.raises(StoreError, match=r"still there .*: store.json; .*s3:DeleteObject"):
+        prepare_store(url, "overwrite", SETTINGS, storage_options=options)
+    assert torch.equal(FeatureStore(url, storage_options=options).indices, store.indices)
+
+
+UNREACHABLE = {"endpoint_url": "http://127.0.0.1:9", "skip_instance_cache": True}
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (
+            {**UNREACHABLE, "key": "k", "secret": "s"},
+            r"cannot reach s3://b/run/store.json \(read\): EndpointConnectionError: .*; check "
+            "the URL and `endpoint_url`",
+        ),
+        (UNREACHABLE, r"s3://b/run/store.json: no credentials \(NoCredentialsError: .*`key`"),
+        (
+            {"endpoint": "http://127.0.0.1:9", "key": "k", "secret": "s"},
+            r"s3://b/run/store.json: `storage_options` holds an option the filesystem does not "
+            r"take \(.*'endpoint'\); fix its name",
+        ),
+    ],
+)
+def test_an_unreachable_endpoint_no_credentials_or_a_bad_option_give_one_clear_error(
+    options: dict[str, Any],
+    match: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("s3fs")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(name, "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {**options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with pytest.raises(StoreError, match=match):
+        FeatureStore("s3://b/run", storage_options=options)
+    assert main(["inspect", "s3://b/run", "--storage-options", json.dumps(options)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")

@@ -50,12 +50,14 @@ __all__ = [
     "RECORD_CHECKSUM",
     "BatchRecord",
     "LedgerEntry",
+    "LedgerScan",
     "ShardRecord",
     "append_ledger",
     "drop_torn_tail",
     "file_crc32",
     "read_ledger_entries",
     "read_ledgers",
+    "scan_ledger",
 ]
 
 RECORD_CHECKSUM = "record_crc32"
@@ -226,14 +228,16 @@ class LedgerEntry:
 
 
 @dataclass(frozen=True)
-class _Scan:
+class LedgerScan:
+    """What a ledger's bytes hold: its counted records and where they end."""
+
     entries: list[LedgerEntry]
     end: int  # bytes that hold counted lines (the last one perhaps without its newline)
     unterminated: bool  # the last counted line lacks its newline
     torn: bool  # bytes after ``end`` are a write cut short
 
 
-def _scan_ledger(path: Path, data: bytes, *, checksum_required: bool) -> _Scan:
+def scan_ledger(path: Path, data: bytes, *, checksum_required: bool) -> LedgerScan:
     """The one decision of what a ledger holds, for the reader and the resume alike."""
     rank = ledger_rank(path.name)
     entries: list[LedgerEntry] = []
@@ -249,7 +253,7 @@ def _scan_ledger(path: Path, data: bytes, *, checksum_required: bool) -> _Scan:
             value, stop = _JSON.raw_decode(text)
         except ValueError as error:
             if last:  # an unterminated line that is not a JSON value: a write cut short
-                return _Scan(entries, position, unterminated=False, torn=True)
+                return LedgerScan(entries, position, unterminated=False, torn=True)
             problem = _utf8_problem(raw) or f"it is not JSON ({error})"
             raise StoreError(f"{path} line {number} is damaged: {problem}") from error
         if stop != len(text):  # a write cut short is a prefix of a line, never more than one
@@ -271,7 +275,7 @@ def _scan_ledger(path: Path, data: bytes, *, checksum_required: bool) -> _Scan:
         entries.append(LedgerEntry(path, number, record))
         position = end if last else end + 1
     unterminated = bool(data) and not data.endswith(b"\n")
-    return _Scan(entries, len(data), unterminated=unterminated, torn=False)
+    return LedgerScan(entries, len(data), unterminated=unterminated, torn=False)
 
 
 def _utf8_problem(raw: bytes) -> str | None:
@@ -309,7 +313,7 @@ def read_ledger_entries(root: Path) -> list[LedgerEntry]:
                 data = handle.read()
         except OSError as error:
             raise StoreError(f"cannot read ledger {path}: {error}") from error
-        entries += _scan_ledger(path, data, checksum_required=required).entries
+        entries += scan_ledger(path, data, checksum_required=required).entries
     return entries
 
 
@@ -334,7 +338,7 @@ def drop_torn_tail(path: Path) -> None:
     required = _checksum_required(root)
     with open_own_file(root, path.name, "r+b") as handle:
         data = handle.read()
-        scan = _scan_ledger(path, data, checksum_required=required)
+        scan = scan_ledger(path, data, checksum_required=required)
         if scan.torn:
             handle.truncate(scan.end)
         elif scan.unterminated:

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import LedgerEntry, ShardRecord, _scan_ledger
+from lightning_iocatch.ledger import LedgerEntry, ShardRecord, scan_ledger
 from lightning_iocatch.store_files import (
     READABLE_FORMATS,
     STORE_FILE,
@@ -273,7 +273,7 @@ def read_commit_entries(
     for name, data in zip(ledgers, fetched[len(commits) :], strict=True):
         path = Path(location.path(name))  # the scan names it in messages: give the URL
         try:
-            scanned = _scan_ledger(path, data, checksum_required=required).entries
+            scanned = scan_ledger(path, data, checksum_required=required).entries
         except StoreError as error:
             raise StoreError(str(error).replace(str(path), location.url_of(name), 1)) from error
         entries += [LedgerEntry(location.url_of(name), e.line, e.record) for e in scanned]

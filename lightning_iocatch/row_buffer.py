@@ -13,9 +13,11 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
@@ -88,11 +90,21 @@ class BlockReader:
 
 
 class ShuffleBuffer:
-    """``capacity`` rows per column; batches drawn at random (or in order) from those held."""
+    """``capacity`` rows per column; batches drawn at random (or in order) from those held.
+
+    Rows are held as bytes and moved with NumPy, on the calling thread only: torch's
+    intra-op threads, which a DataLoader's main process has, turn these small copies into
+    a contest for the cores with everything else the machine runs (measured: a gather of
+    4,096 rows of 1 KiB took 0.08 ms or 3.3 ms with 2 threads, depending on the load;
+    0.2 ms with one).
+    """
 
     def __init__(self, capacity: int, columns: dict[str, Column]) -> None:
-        self._rows = {
-            key: torch.empty((capacity, *column.shape), dtype=column.dtype)
+        self._columns = columns
+        self._bytes = {
+            key: np.empty(
+                (capacity, math.prod(column.shape) * column.dtype.itemsize), dtype=np.uint8
+            )
             for key, column in columns.items()
         }
         self._held = 0
@@ -101,7 +113,10 @@ class ShuffleBuffer:
         while self._held < upto and (part := reader.read(upto - self._held)) is not None:
             count = len(next(iter(part.values())))
             for key, rows in part.items():
-                self._rows[key][self._held : self._held + count].copy_(rows)
+                rows = rows.to(self._columns[key].dtype).contiguous()
+                view = rows.view(torch.uint8).reshape(count, -1) if rows.numel() else None
+                if view is not None:
+                    self._bytes[key][self._held : self._held + count] = view.numpy()
             self._held += count
 
     def take(self, count: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
@@ -114,10 +129,15 @@ class ShuffleBuffer:
             picked = torch.randperm(held, generator=generator)[:count]
         moved = torch.ones(count, dtype=torch.bool)
         moved[picked[picked >= kept] - kept] = False
-        holes, movers = picked[picked < kept], torch.arange(kept, held)[moved]
+        holes, movers = picked[picked < kept].numpy(), torch.arange(kept, held)[moved].numpy()
         batch = {}
-        for key, rows in self._rows.items():
-            batch[key] = rows.index_select(0, picked)
-            rows.index_copy_(0, holes, rows.index_select(0, movers))
+        for key, rows in self._bytes.items():
+            column = self._columns[key]
+            if not rows.shape[1]:  # rows of no element
+                batch[key] = torch.empty((count, *column.shape), dtype=column.dtype)
+                continue
+            taken = torch.from_numpy(rows.take(picked.numpy(), axis=0))
+            batch[key] = taken.view(column.dtype).reshape(count, *column.shape)
+            rows[holes] = rows[movers]
         self._held = kept
         return batch

@@ -441,3 +441,31 @@ def test_the_example_trains_a_sparse_autoencoder_on_a_dump(tmp_path: Path) -> No
 
 if __name__ == "__main__":
     ddp_main(Path(sys.argv[1]), Path(sys.argv[2]))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_rows_of_every_dtype_and_size_come_out_as_stored(tmp_path: Path, dtype: Any) -> None:
+    plan = prepare_store(tmp_path, "create", {"spec": None, "stage": "predict", "dtype": None})
+    writer = ShardWriter(tmp_path, rank=0, plan=plan, max_shard_bytes=300)
+    generator = torch.Generator().manual_seed(0)
+    for start in range(0, 50, 7):
+        n = min(7, 50 - start)
+        tensors = {
+            "a": torch.randn(n, 3, 2, generator=generator).bfloat16(),
+            "b": torch.randint(0, 9, (n,), generator=generator),
+            "c": torch.rand(n, 4, generator=generator) > 0.5,
+            "z": torch.zeros(n, 0),
+        }
+        writer.write(tensors, indices=list(range(start, start + n)))
+    writer.close()
+    store = FeatureStore(tmp_path)
+    data = StoreRows(tmp_path, ["a", "b", "c", "z"], batch_size=6, with_indices=True, dtype=dtype)
+    seen = []
+    for batch in DataLoader(data, batch_size=None):
+        index = batch[INDEX]
+        seen += index.tolist()
+        assert batch["a"].dtype == (dtype or torch.bfloat16) and batch["z"].shape == (len(index), 0)
+        assert torch.equal(batch["a"], store["a"][index].to(batch["a"].dtype))
+        assert torch.equal(batch["b"], store["b"][index])
+        assert torch.equal(batch["c"], store["c"][index])
+    assert sorted(seen) == list(range(50))

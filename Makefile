@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck unit demo bench clean
+.PHONY: venv test lint typecheck unit demo bench bench-tokens clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,5 +34,17 @@ demo: venv
 bench: venv
 	$(BIN)/python benchmarks/report.py
 
+# The comparison with SAELens' cache runner needs SAELens, kept out of the test environment.
+BENCH_VENV := .venv-bench
+$(BENCH_VENV)/bin/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet "$(TORCH_PIN)"
+	$(BENCH_VENV)/bin/pip install --quiet -e . "sae-lens>=6" "datasets>=4.0" "$(TORCH_PIN)"
+	touch $@
+
+bench-tokens: $(BENCH_VENV)/bin/.installed
+	$(BENCH_VENV)/bin/python benchmarks/tokens.py --markdown
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -393,7 +393,7 @@ class IOCaptureCallback(Callback):
 def _token_rows(sinks: Sequence[CaptureSink]) -> TokenRows | None:
     """The ``tokens`` of the callback's writers: one capture serves them all, so they agree."""
     writers = [sink for sink in sinks if isinstance(sink, FeatureWriter)]
-    found = {repr(writer.tokens) for writer in writers}
+    found = {repr(writer.tokens.settings() if writer.tokens else None) for writer in writers}
     if len(found) > 1:
         raise ValueError(
             "the writers of one IOCaptureCallback must have the same `tokens` (the callback "

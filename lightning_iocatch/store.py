@@ -151,12 +151,16 @@ class FeatureStore:
         return batches
 
     def _find_duplicates(self, on_duplicate: OnDuplicate) -> list[int]:
-        """Dataset indices of more than one stored batch (the rows of a sample are stored
-        together: one row, or one per selected token)."""
+        """Dataset indices stored more than once: in more than one row of a store of a row
+        per sample, in more than one batch of a store of token rows (a sample's tokens are
+        stored together)."""
         if not self._batches:
             return []
-        unique = [torch.unique(batch.indices) for batch in self._batches]
-        values, counts = torch.unique(torch.cat(unique), return_counts=True)
+        tokens = self._info.get("tokens") or {}
+        token_rows = bool(tokens) and tokens.get("reduce") is None
+        samples = [torch.unique(b.indices) if token_rows else b.indices for b in self._batches]
+        every = torch.cat(samples)
+        values, counts = torch.unique(every, return_counts=True)
         duplicated = values[counts > 1]
         if not duplicated.numel():
             return []
@@ -175,11 +179,20 @@ class FeatureStore:
                 "FeatureStore(..., on_duplicate='first') to read each index from its first "
                 "commit, or `lightning-iocatch inspect` it"
             )
-        seen = torch.zeros(int(values.max()) + 1, dtype=torch.bool)
-        batches = []
-        for batch, present in zip(self._batches, unique, strict=True):
-            keep = ~seen[batch.indices]  # rows of samples no earlier commit holds
-            seen[present] = True
+        order = torch.argsort(every, stable=True)  # first commit first among equal indices
+        ordered = every[order]
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        first_values, first_slot = ordered[first], order[first]  # where each index is first
+        owner = torch.cat([torch.full((len(s),), i) for i, s in enumerate(samples)])
+        batches, offset = [], 0
+        for i, (batch, sample) in enumerate(zip(self._batches, samples, strict=True)):
+            slot = first_slot[torch.searchsorted(first_values, batch.indices)]
+            if token_rows:  # every row of a sample from the batch that holds it first
+                keep = owner[slot] == i
+            else:  # the row that is its index's first occurrence
+                keep = slot == torch.arange(offset, offset + len(sample))
+            offset += len(sample)
             batches.append(dataclasses.replace(batch, keep=keep))
         self._batches = batches
         return [int(value) for value in duplicated.tolist()]

@@ -6,6 +6,7 @@ Python loops (and NumPy float64 for means), never the library's own selection.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +14,15 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_iocatch.transfer as transfer_module
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreRows, TokenRows
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.ledger import read_ledgers
+from lightning_iocatch.shard_writer import ShardWriter
 from lightning_iocatch.store_files import POSITION_KEY, TOKEN_ID_KEY
+from lightning_iocatch.store_plan import prepare_store
 from tests.conftest import ROOT, run_script
 from tests.lightning_models import tiny_llama, trainer
 
@@ -257,16 +259,28 @@ def test_writers_of_one_callback_must_select_the_same_tokens(tmp_path: Path) -> 
         )
 
 
-def test_a_store_of_token_rows_counts_a_sample_in_two_commits_as_duplicated(
+def test_a_sample_in_two_commits_is_duplicated_and_read_once_from_the_first(
     tmp_path: Path,
 ) -> None:
-    loader = DataLoader(Sentences(4), batch_size=2, collate_fn=pad())
-    dump(tmp_path / "a", TokenRows(), loader)
-    store = FeatureStore(tmp_path / "a")
-    assert store.duplicated_indices() == [] and len(set(store.indices.tolist())) == 4
-    assert len(store) == int(sum(b["attention_mask"].sum() for b in loader))
-    with safe_open(tmp_path / "a" / read_ledgers(tmp_path / "a")[0].file, "pt") as handle:
-        assert handle.get_tensor(f"b0/{POSITION_KEY}").dtype == torch.int32
+    tokens = TokenRows()
+    settings = {"spec": None, "stage": "predict", "dtype": None, "tokens": tokens.settings()}
+    plan = prepare_store(tmp_path, "create", settings)
+    batch = {"input_ids": torch.tensor([[1, 5, 6], [1, 7, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}  # fmt: skip
+    for rank, indices in ((0, [0, 1]), (1, [1, 2])):  # sample 1 on both ranks
+        writer, selection = ShardWriter(tmp_path, rank=rank, plan=plan), tokens.select(batch)
+        hidden = selection.apply(torch.arange(18.0).view(2, 3, 3) + 100 * rank)
+        assert hidden is not None
+        selection.mark(hidden)
+        writer.write({"m/outputs": hidden}, indices=indices, tokens=selection)
+        writer.close()
+    with pytest.raises(StoreError, match=r"holds 1 dataset indices more than once, e\.g\. \[1\]"):
+        FeatureStore(tmp_path)
+    store = FeatureStore(tmp_path, on_duplicate="first")
+    assert store.duplicated_indices() == [1]
+    assert store.indices.tolist() == [0, 0, 0, 1, 1, 2, 2]  # sample 1's tokens from rank 0
+    assert store[POSITION_KEY].tolist() == [0, 1, 2, 0, 1, 0, 1]
+    assert store["m/outputs"][:, 0].tolist() == [0, 3, 6, 9, 12, 109, 112]
 
 
 def test_token_rows_export_to_hugging_face_datasets_row_for_row(tmp_path: Path) -> None:
@@ -278,11 +292,11 @@ def test_token_rows_export_to_hugging_face_datasets_row_for_row(tmp_path: Path) 
     dump(tmp_path / "store", TokenRows(drop_first=True), loader)
     export_dataset(tmp_path / "store", tmp_path / "hf")
     exported = load_from_disk(str(tmp_path / "hf")).with_format("torch")[:]
-    store = FeatureStore(tmp_path / "store")
-    assert exported["index"].tolist() == store.indices.tolist()  # one batch: commit order
-    assert exported[POSITION_KEY].tolist() == store[POSITION_KEY].tolist()
-    assert exported[TOKEN_ID_KEY].tolist() == store[TOKEN_ID_KEY].tolist()
-    assert torch.equal(exported[KEY], store[KEY])
+    truth = expected_tokens(hidden_states(Decoder(), loader), drop=set())  # in commit order
+    assert exported["index"].tolist() == truth["index"]
+    assert exported[POSITION_KEY].tolist() == truth["position"]
+    assert exported[TOKEN_ID_KEY].tolist() == truth["token"]
+    assert torch.equal(exported[KEY], truth["rows"])
 
 
 @pytest.mark.slow
@@ -381,6 +395,14 @@ def test_two_mask_lambdas_are_told_apart_for_a_resume() -> None:
     second = TokenRows(mask=lambda batch: batch["input_ids"] == 6)
     assert first.settings()["mask"] != second.settings()["mask"]
     assert TokenRows(drop_token_ids=np.array([2, 0])).settings()["drop_token_ids"] == [0, 2]
+    # the same function written again (a resume edits the line it stands on) is the same
+    again = TokenRows(mask=lambda batch: batch["attention_mask"], drop_first=False)
+    assert again.settings() == first.settings()
+    keep = functools.partial(torch.ne, other=0)
+    assert (
+        TokenRows(mask=keep).settings()
+        == TokenRows(mask=functools.partial(torch.ne, other=0)).settings()
+    )
 
 
 def test_token_rows_on_object_storage_equal_the_local_dump(tmp_path: Path) -> None:

@@ -156,7 +156,7 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"store      {args.path}")
     print(f"spec       {meta.get('spec')}  (stage {meta.get('stage')}, dtype {meta.get('dtype')})")
     tokens = meta.get("tokens")
-    samples = int(store.indices.unique().numel())
+    samples = int(store.samples.numel())
     kind = f"token rows of {samples} samples" if tokens else "rows"
     print(f"rows       {len(store)} {kind}  ranks {meta['ranks']}  shards {len(meta['shards'])}")
     if tokens:

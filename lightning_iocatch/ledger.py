@@ -66,11 +66,16 @@ _JSON = json.JSONDecoder()
 
 @dataclass(frozen=True)
 class BatchRecord:
-    """One batch inside a shard: tensors ``b{position}/...``, ``rows`` samples."""
+    """One batch inside a shard: tensors ``b{position}/...``, ``rows`` rows.
+
+    ``without_rows``: dataset indices of samples written with no row (token rows of a
+    sample without a selected token), so that they count as stored.
+    """
 
     dataloader_idx: int
     batch_idx: int
     rows: int
+    without_rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,9 @@ class ShardRecord:
         for optional in ("per_batch", "skipped"):
             if not data[optional]:
                 del data[optional]
+        for batch in data["batches"]:
+            if not batch["without_rows"]:
+                del batch["without_rows"]
         data[RECORD_CHECKSUM] = _record_crc32(data)
         return _canonical(data)
 
@@ -118,6 +126,7 @@ def _record_crc32(data: dict[str, Any]) -> int:
 
 
 _FIELDS = ("file", "rank", "bytes", "crc32", "batches", "keys", "shapes")
+_BATCH_FIELDS = ["batch_idx", "dataloader_idx", "rows"]
 _OPTIONAL = ("per_batch", "skipped", RECORD_CHECKSUM)
 
 
@@ -158,9 +167,16 @@ def _record(data: Any, *, checksum_required: bool) -> ShardRecord:
         raise ValueError(f"`batches` must be a non-empty list, got {batches!r}")
     parsed = []
     for batch in batches:
-        if not isinstance(batch, dict) or sorted(batch) != ["batch_idx", "dataloader_idx", "rows"]:
-            raise ValueError(f"a batch must be {{dataloader_idx, batch_idx, rows}}, got {batch!r}")
-        parsed.append(BatchRecord(**{k: _count(v, f"`{k}`") for k, v in batch.items()}))
+        fields = sorted(batch) if isinstance(batch, dict) else None
+        if fields not in (_BATCH_FIELDS, sorted([*_BATCH_FIELDS, "without_rows"])):
+            shape = "{dataloader_idx, batch_idx, rows[, without_rows]}"
+            raise ValueError(f"a batch must be {shape}, got {batch!r}")
+        without = batch.get("without_rows", [])
+        if not isinstance(without, list) or (not without and "without_rows" in batch):
+            raise ValueError(f"`without_rows` must be a non-empty list, got {without!r}")
+        counts = {k: _count(batch[k], f"`{k}`") for k in _BATCH_FIELDS}
+        samples = tuple(_count(index, "an index of `without_rows`") for index in without)
+        parsed.append(BatchRecord(**counts, without_rows=samples))
     keys, shapes = data["keys"], data["shapes"]
     if not isinstance(keys, dict) or not all(
         isinstance(k, str) and k != INDEX_KEY and isinstance(v, str) for k, v in keys.items()

@@ -17,7 +17,8 @@ The rules a :class:`~lightning_iocatch.shard_writer.ShardWriter` applies through
   the tensors it selected have one row per selected token and are stored row by row,
   each row with its sample's dataset index and the coordinate keys ``__position__`` and
   ``__token_id__``; every other tensor is stored once per batch. A sample's rows are
-  kept or dropped together.
+  kept or dropped together; a sample without a selected token is listed in its batch
+  record's ``without_rows``, so that it counts as stored.
 - **Refused on the calling thread.** A tensor safetensors cannot store (sparse, nested,
   meta, or a dtype outside :data:`~lightning_iocatch.shard_file.STORABLE_DTYPES`) raises
   :class:`~lightning_iocatch.StoreError` naming its key.
@@ -134,9 +135,9 @@ class RowSelector:
         by_position = torch.full((samples,), -1, dtype=torch.int64)
         by_position[list(keep)] = torch.tensor(list(keep.values()), dtype=torch.int64)
         select = kept[sample].nonzero().squeeze(1) if len(keep) < samples else None
-        if select is not None and not select.numel():
-            return None  # the new samples have no selected token
         batch = {INDEX_KEY: by_position[sample if select is None else sample[select]]}
+        tokens_of = torch.bincount(sample, minlength=samples)
+        without_rows = tuple(index for position, index in keep.items() if not tokens_of[position])
         if tokens is not None:
             coordinates = _coordinates(tokens)
             stored.update(coordinates)
@@ -164,7 +165,7 @@ class RowSelector:
                     "batches stored this key row by row"
                 )
         nbytes = sum(tensor.numel() * tensor.element_size() for tensor in batch.values())
-        record = BatchRecord(dataloader_idx, batch_idx, int(batch[INDEX_KEY].numel()))
+        record = BatchRecord(dataloader_idx, batch_idx, int(batch[INDEX_KEY].numel()), without_rows)
         return SelectedBatch(record, batch, frozenset(per_batch), skipped, nbytes)
 
     @staticmethod

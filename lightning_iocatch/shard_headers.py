@@ -46,6 +46,7 @@ class StoredBatch:
     per_batch: frozenset[str]
     indices: torch.Tensor  # int64 [rows]: the dataset index of each row
     keep: torch.Tensor | None  # bool [rows]: rows read (None: all; see `on_duplicate`)
+    without_rows: torch.Tensor  # int64: samples of the batch stored with no row
 
     def kept(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows of this batch that are read (``rows`` has one per index)."""

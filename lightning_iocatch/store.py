@@ -123,6 +123,8 @@ class FeatureStore:
         self._duplicated = self._find_duplicates(on_duplicate)
         kept = [batch.kept_indices for batch in self._batches]
         self._row_indices = torch.cat(kept) if kept else torch.empty(0, dtype=torch.int64)
+        without = [batch.without_rows for batch in self._batches]
+        self._samples = torch.cat([self._row_indices, *without]).unique()
         self._order = torch.argsort(self._row_indices, stable=True)
         self._dtypes = self._key_dtypes()
 
@@ -146,6 +148,9 @@ class FeatureStore:
                     per_batch=frozenset(record.per_batch) & set(stored[position]),
                     indices=index,
                     keep=None,
+                    without_rows=torch.tensor(
+                        record.batches[position].without_rows, dtype=torch.int64
+                    ),
                 )
             )
         return batches
@@ -158,7 +163,10 @@ class FeatureStore:
             return []
         tokens = self._info.get("tokens") or {}
         token_rows = bool(tokens) and tokens.get("reduce") is None
-        samples = [torch.unique(b.indices) if token_rows else b.indices for b in self._batches]
+        samples = [
+            torch.cat([torch.unique(b.indices), b.without_rows]) if token_rows else b.indices
+            for b in self._batches
+        ]
         every = torch.cat(samples)
         values, counts = torch.unique(every, return_counts=True)
         duplicated = values[counts > 1]
@@ -190,10 +198,13 @@ class FeatureStore:
             slot = first_slot[torch.searchsorted(first_values, batch.indices)]
             if token_rows:  # every row of a sample from the batch that holds it first
                 keep = owner[slot] == i
+                empty = batch.without_rows
+                empty = empty[owner[first_slot[torch.searchsorted(first_values, empty)]] == i]
             else:  # the row that is its index's first occurrence
                 keep = slot == torch.arange(offset, offset + len(sample))
+                empty = batch.without_rows
             offset += len(sample)
-            batches.append(dataclasses.replace(batch, keep=keep))
+            batches.append(dataclasses.replace(batch, keep=keep, without_rows=empty))
         self._batches = batches
         return [int(value) for value in duplicated.tolist()]
 
@@ -282,10 +293,16 @@ class FeatureStore:
             raise ValueError(f"`expected` must be a non-negative int or None, got {expected!r}")
         total = expected
         if total is None:
-            total = int(self._row_indices.max()) + 1 if len(self) else 0
+            total = int(self._samples.max()) + 1 if self._samples.numel() else 0
         present = torch.zeros(total, dtype=torch.bool)
-        present[self._row_indices[self._row_indices < total]] = True
+        present[self._samples[self._samples < total]] = True
         return torch.nonzero(~present).flatten().tolist()
+
+    @property
+    def samples(self) -> torch.Tensor:
+        """The dataset indices of every stored sample, ascending, each once (also those of
+        token rows that have no row: no selected token)."""
+        return self._samples
 
     # Reading
 

@@ -118,6 +118,7 @@ def resolve_location(
 
     Raises:
         TypeError: ``path`` or ``storage_options`` of the wrong type.
+        ValueError: ``storage_options`` given for a local path.
         StoreError: a URL fsspec cannot open (an unknown protocol, a missing package),
             naming the URL and the fix.
 
@@ -202,9 +203,19 @@ def is_remote_failure(error: BaseException) -> bool:
     ``TypeError`` a client raises for a storage option it does not take."""
     if isinstance(error, OSError):
         return True
-    if isinstance(error, TypeError):
-        return "unexpected keyword argument" in str(error)
+    if isinstance(error, TypeError):  # only where a client library raised it
+        return "unexpected keyword argument" in str(error) and _raised_in_a_client(error)
     return type(error).__module__.split(".")[0] in _CLIENT_PACKAGES
+
+
+def _raised_in_a_client(error: BaseException) -> bool:
+    frame = error.__traceback__
+    while frame is not None:
+        module = str(frame.tb_frame.f_globals.get("__name__", ""))
+        if module.split(".")[0] in _CLIENT_PACKAGES:
+            return True
+        frame = frame.tb_next
+    return False
 
 
 @contextlib.contextmanager

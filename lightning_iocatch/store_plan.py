@@ -227,7 +227,7 @@ def _resume(path: StoreLocation, settings: Mapping[str, Any]) -> StorePlan:
             next_seq[rank_seq[0]] = max(next_seq.get(rank_seq[0], 0), rank_seq[1] + 1)
         for batch, index in zip(record.batches, indices(entry), strict=True):
             seen = committed.setdefault(batch.dataloader_idx, IndexSet())
-            for value in index.tolist():
+            for value in [*index.tolist(), *batch.without_rows]:
                 seen.add(value)
         batch_keys.update(record.per_batch)
         row_keys.update(key for key in record.keys if key not in record.per_batch)

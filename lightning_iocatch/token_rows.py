@@ -20,9 +20,12 @@ device, before the copy to the host*, so a GPU never copies padding:
   least (float64 stays float64). A sample with no selected token gets NaN values and
   position and token id -1. Other tensors are kept as they are.
 
-Tensors of other shapes (rotary tables of batch dimension 1, a pooled ``(batch, d)``
-output, decoding steps of ``generate()`` with another sequence length) are not selected.
-A sequence-first layout ``(seq, batch, ...)`` is not recognised.
+Tensors of other shapes (a pooled ``(batch, d)`` output, decoding steps of
+``generate()`` with another sequence length, rotary tables ``(1, seq, d)`` in batches of
+more than one sample) are not selected; the rule is the shape, so a rotary table in a
+batch of one sample is. A sequence-first layout ``(seq, batch, ...)`` is not recognised.
+The selection's own index tensors are moved here (once per batch, a few bytes per
+token); captured values are copied by :mod:`lightning_iocatch.transfer` as ever.
 
 Example (a plain loop; :class:`~lightning_iocatch.FeatureWriter` does this for you):
     >>> from torch import nn

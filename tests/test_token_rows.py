@@ -7,6 +7,7 @@ Python loops (and NumPy float64 for means), never the library's own selection.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -415,3 +416,62 @@ def test_token_rows_on_object_storage_equal_the_local_dump(tmp_path: Path) -> No
     assert torch.equal(remote.indices, local.indices)
     for key in (KEY, POSITION_KEY, TOKEN_ID_KEY):
         assert torch.equal(remote[key], local[key]), key
+
+
+class WithEmpty(Sentences):
+    """Sample 2 is a BOS alone: no token is left once the first is dropped."""
+
+    def __init__(self) -> None:
+        super().__init__(5)
+        self.items[2] = torch.tensor([BOS])
+
+
+def test_a_sample_without_a_selected_token_counts_as_stored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_iocatch.cli import main
+
+    loader = DataLoader(WithEmpty(), batch_size=1, collate_fn=pad())  # batch 2: no row at all
+    dump(tmp_path, TokenRows(drop_first=True), loader)
+    store = FeatureStore(tmp_path)
+    assert 2 not in store.indices.tolist() and store.samples.tolist() == [0, 1, 2, 3, 4]
+    assert store.missing_indices() == [] and store.missing_indices(6) == [5]
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "each of 0..4 present in exactly one commit" in capsys.readouterr().out
+    truth = expected_tokens(hidden_states(Decoder(), loader), drop=set())
+    assert torch.equal(store[KEY], truth["rows"])
+
+    class Counting(Decoder):
+        steps = 0
+
+        def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+            Counting.steps += 1
+            return super().predict_step(batch, batch_idx, dataloader_idx)
+
+    writer = FeatureWriter(tmp_path, tokens=TokenRows(drop_first=True), mode="resume")
+    trainer([IOCaptureCallback(f"outputs[{LAYER}]", writer=writer)]).predict(Counting(), loader)
+    assert Counting.steps == 0  # every sample, the empty one too, is committed
+    assert torch.equal(FeatureStore(tmp_path)[KEY], truth["rows"])
+
+
+def test_a_ledger_record_keeps_the_samples_without_rows() -> None:
+    from lightning_iocatch.ledger import BatchRecord, ShardRecord
+
+    record = ShardRecord(
+        file="shard-r000-000000.safetensors",
+        rank=0,
+        bytes=10,
+        crc32=1,
+        batches=(BatchRecord(0, 3, 0, (7, 9)), BatchRecord(0, 4, 5)),
+        keys={"k": "float32"},
+        shapes={"k": [2]},
+    )
+    line = record.to_json()
+    assert '"without_rows":[7,9]' in line and line.count("without_rows") == 1
+    assert ShardRecord.from_json(line) == record
+    for bad in ("[]", "[-1]", '"7"'):
+        damaged = json.loads(line)
+        damaged["batches"][1]["without_rows"] = json.loads(bad)
+        del damaged["record_crc32"]
+        with pytest.raises(ValueError, match="without_rows"):
+            ShardRecord.from_json(json.dumps(damaged), checksum_required=False)

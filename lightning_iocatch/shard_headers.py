@@ -3,11 +3,13 @@
 Before :class:`~lightning_iocatch.FeatureStore` reads any tensor, every committed shard must
 be one of the store's own files with the size its record gives (:func:`check_shards`), and
 its safetensors header must agree with the record: batches, keys, dtypes and shapes
-(:func:`check_header`). Each batch the reader keeps is a :class:`StoredBatch`.
+(:func:`check_header`). Each batch the reader keeps is a :class:`StoredBatch`;
+:func:`read_first_commits` decides which of its rows are read when an index is stored twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from lightning_iocatch.store_files import INDEX_KEY, check_own_path
 if TYPE_CHECKING:
     from lightning_iocatch.remote_shards import RemoteShard
 
-__all__ = ["StoredBatch", "check_header", "check_shards"]
+__all__ = ["StoredBatch", "check_header", "check_shards", "read_first_commits"]
 
 _TENSOR_NAME = re.compile(r"b(0|[1-9][0-9]*)/(.+)", re.ASCII | re.DOTALL)
 # safetensors' dtype codes, by the names FeatureWriter records; F8_E8M0 is read, never written
@@ -129,3 +131,48 @@ def check_header(
     if set(record.keys) - seen:
         raise damaged(f"it lacks {sorted(set(record.keys) - seen)}, which the record lists")
     return stored
+
+
+def read_first_commits(
+    batches: list[StoredBatch], *, token_rows: bool
+) -> tuple[list[StoredBatch], torch.Tensor]:
+    """``batches`` (in commit order) set to read each dataset index from its first commit
+    only, and the indices stored more than once (ascending; none in a sound store).
+
+    A row per sample: an index in more than one row is duplicated, and its first row is
+    read. Token rows (``token_rows``): a sample's rows are stored together, so an index in
+    more than one batch is duplicated, and every row of it in its first batch is read.
+    """
+    if not batches:
+        return batches, torch.empty(0, dtype=torch.int64)
+    samples = [
+        torch.cat([torch.unique(b.indices), b.without_rows]) if token_rows else b.indices
+        for b in batches
+    ]
+    every = torch.cat(samples)
+    values, counts = torch.unique(every, return_counts=True)
+    duplicated = values[counts > 1]
+    if not duplicated.numel():
+        return batches, duplicated
+    order = torch.argsort(every, stable=True)  # first commit first among equal indices
+    ordered = every[order]
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    first_values, first_slot = ordered[first], order[first]  # where each index is first
+    owner = torch.cat([torch.full((len(s),), i) for i, s in enumerate(samples)])
+
+    def first_batch(indices: torch.Tensor) -> torch.Tensor:
+        return owner[first_slot[torch.searchsorted(first_values, indices)]]
+
+    read, offset = [], 0
+    for i, (batch, sample) in enumerate(zip(batches, samples, strict=True)):
+        empty = batch.without_rows
+        if token_rows:  # every row of a sample, from the batch that holds it first
+            keep = first_batch(batch.indices) == i
+            empty = empty[first_batch(empty) == i]
+        else:  # the row that is its index's first occurrence
+            slot = first_slot[torch.searchsorted(first_values, batch.indices)]
+            keep = slot == torch.arange(offset, offset + len(sample))
+        offset += len(sample)
+        read.append(dataclasses.replace(batch, keep=keep, without_rows=empty))
+    return read, duplicated

@@ -8,7 +8,6 @@ files inside its directory are read (see :mod:`lightning_iocatch.store_files`).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from collections.abc import Iterator, Mapping
@@ -24,7 +23,7 @@ from lightning_iocatch.shard_access import (
     read_shard_tensors,
     shard_checksum,
 )
-from lightning_iocatch.shard_headers import StoredBatch
+from lightning_iocatch.shard_headers import StoredBatch, read_first_commits
 from lightning_iocatch.spec import close_names
 from lightning_iocatch.store_fs import StoreLocation, resolve_location
 
@@ -156,23 +155,10 @@ class FeatureStore:
         return batches
 
     def _find_duplicates(self, on_duplicate: OnDuplicate) -> list[int]:
-        """Dataset indices stored more than once: in more than one row of a store of a row
-        per sample, in more than one batch of a store of token rows (a sample's tokens are
-        stored together)."""
-        if not self._batches:
-            return []
         tokens = self._info.get("tokens") or {}
         token_rows = bool(tokens) and tokens.get("reduce") is None
-        samples = [
-            torch.cat([torch.unique(b.indices), b.without_rows]) if token_rows else b.indices
-            for b in self._batches
-        ]
-        every = torch.cat(samples)
-        values, counts = torch.unique(every, return_counts=True)
-        duplicated = values[counts > 1]
-        if not duplicated.numel():
-            return []
-        if on_duplicate == "error":
+        batches, duplicated = read_first_commits(self._batches, token_rows=token_rows)
+        if duplicated.numel() and on_duplicate == "error":
             shards = sorted(
                 {
                     b.shard.name
@@ -187,24 +173,6 @@ class FeatureStore:
                 "FeatureStore(..., on_duplicate='first') to read each index from its first "
                 "commit, or `lightning-iocatch inspect` it"
             )
-        order = torch.argsort(every, stable=True)  # first commit first among equal indices
-        ordered = every[order]
-        first = torch.ones_like(ordered, dtype=torch.bool)
-        first[1:] = ordered[1:] != ordered[:-1]
-        first_values, first_slot = ordered[first], order[first]  # where each index is first
-        owner = torch.cat([torch.full((len(s),), i) for i, s in enumerate(samples)])
-        batches, offset = [], 0
-        for i, (batch, sample) in enumerate(zip(self._batches, samples, strict=True)):
-            slot = first_slot[torch.searchsorted(first_values, batch.indices)]
-            if token_rows:  # every row of a sample from the batch that holds it first
-                keep = owner[slot] == i
-                empty = batch.without_rows
-                empty = empty[owner[first_slot[torch.searchsorted(first_values, empty)]] == i]
-            else:  # the row that is its index's first occurrence
-                keep = slot == torch.arange(offset, offset + len(sample))
-                empty = batch.without_rows
-            offset += len(sample)
-            batches.append(dataclasses.replace(batch, keep=keep, without_rows=empty))
         self._batches = batches
         return [int(value) for value in duplicated.tolist()]
 

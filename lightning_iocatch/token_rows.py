@@ -100,7 +100,8 @@ class TokenRows:
             ``batch["attention_mask"]`` (the batch must then be a mapping holding it).
         token_ids: ``token_ids(batch) -> (batch, seq)`` integer tensor recorded with each
             row; default: ``batch["input_ids"]`` where the batch is a mapping holding it.
-        drop_first: drop position 0 of every sequence (the BOS token).
+        drop_first: drop each sequence's first real token (BOS): at position 0, or, with
+            left padding, where the batch's ``attention_mask`` is first 1.
         drop_token_ids: drop tokens with these ids (special tokens); needs token ids.
         reduce: ``None`` for one row per token; ``"mean"``, ``"first"`` or ``"last"`` for
             one row per sample.
@@ -126,14 +127,13 @@ class TokenRows:
             self.drop_token_ids, Iterable
         ):
             raise TypeError(f"`drop_token_ids` must be a set of ints, got {self.drop_token_ids!r}")
+        given = list(self.drop_token_ids)  # read once: it may be a generator
         try:
-            if any(isinstance(i, bool) for i in self.drop_token_ids):
+            if any(isinstance(i, bool) for i in given):
                 raise TypeError
-            drop = tuple(sorted({operator.index(i) for i in self.drop_token_ids}))
+            drop = tuple(sorted({operator.index(i) for i in given}))
         except TypeError:
-            raise TypeError(
-                f"`drop_token_ids` must hold ints, got {self.drop_token_ids!r}"
-            ) from None
+            raise TypeError(f"`drop_token_ids` must hold ints, got {given!r}") from None
         object.__setattr__(self, "_drop", drop)
         if self.reduce is not None and self.reduce not in REDUCTIONS:
             raise ValueError(f"`reduce` must be None or one of {REDUCTIONS}, got {self.reduce!r}")

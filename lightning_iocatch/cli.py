@@ -214,6 +214,7 @@ def _export(args: argparse.Namespace) -> int:
         token_ids_key=args.token_ids_key,
         dataloader_idx=args.dataloader_idx,
         storage_options=args.storage_options,
+        on_duplicate=args.on_duplicate,
     )
     print(f"wrote {out} (read it with datasets.load_from_disk)")
     return 0
@@ -304,6 +305,12 @@ def _parser() -> argparse.ArgumentParser:
         "--token-ids-key", help="saelens: the integer key of the token ids (default: detected)"
     )
     export.add_argument("--dataloader-idx", type=_count, default=0, help="which dataloader")
+    export.add_argument(
+        "--on-duplicate",
+        choices=["error", "first"],
+        default="error",
+        help="an index stored twice: refuse the store (default), or export its first commit",
+    )
     export.set_defaults(run=_export)
     plot = commands.add_parser(
         "plot",

@@ -171,7 +171,8 @@ class FeatureStore:
                 f"{duplicated[:10].tolist()} (in {', '.join(shards[:4])}"
                 f"{', ...' if len(shards) > 4 else ''}); open it with "
                 "FeatureStore(..., on_duplicate='first') to read each index from its first "
-                "commit, or `lightning-iocatch inspect` it"
+                "commit (StoreRows and export_dataset take it too; `lightning-iocatch export "
+                "--on-duplicate first`), or `lightning-iocatch inspect` it"
             )
         self._batches = batches
         return [int(value) for value in duplicated.tolist()]

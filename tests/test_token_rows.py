@@ -283,6 +283,17 @@ def test_a_sample_in_two_commits_is_duplicated_and_read_once_from_the_first(
     assert store[POSITION_KEY].tolist() == [0, 1, 2, 0, 1, 0, 1]
     assert store["m/outputs"][:, 0].tolist() == [0, 3, 6, 9, 12, 109, 112]
 
+    from datasets import load_from_disk
+
+    from lightning_iocatch.cli import main
+
+    out = tmp_path.parent / f"{tmp_path.name}-hf"
+    assert main(["export", str(tmp_path), str(out)]) == 2  # refused, as FeatureStore does
+    assert main(["export", str(tmp_path), str(out), "--on-duplicate", "first"]) == 0
+    exported = load_from_disk(str(out)).with_format("torch")[:]
+    assert exported["index"].tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert exported["m/outputs"][:, 0].tolist() == [0, 3, 6, 9, 12, 109, 112]
+
 
 def test_token_rows_export_to_hugging_face_datasets_row_for_row(tmp_path: Path) -> None:
     from datasets import load_from_disk

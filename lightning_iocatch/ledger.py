@@ -242,6 +242,14 @@ class LedgerEntry:
     def where(self) -> str:
         return f"{self.path} line {self.line}" if self.line else f"commit record {self.path}"
 
+    @property
+    def commit_order(self) -> tuple[int, int]:
+        """``(rank, sequence number)`` of its shard: the order in which a store reads commits."""
+        named = shard_rank_and_seq(self.record.file)
+        if named is None:  # a parsed record names a shard: this is a bug, not damage
+            raise StoreError(f"{self.record.file!r} is not a shard name")
+        return named
+
 
 @dataclass(frozen=True)
 class LedgerScan:

@@ -277,7 +277,7 @@ def read_commit_entries(
         except StoreError as error:
             raise StoreError(str(error).replace(str(path), location.url_of(name), 1)) from error
         entries += [LedgerEntry(location.url_of(name), e.line, e.record) for e in scanned]
-    return sorted(entries, key=lambda entry: shard_rank_and_seq(entry.record.file) or (-1, -1))
+    return sorted(entries, key=lambda entry: entry.commit_order)
 
 
 def read_commit_files(root: Path) -> list[LedgerEntry]:

@@ -36,7 +36,7 @@ from lightning_iocatch.remote_shards import (
     shard_crc32,
 )
 from lightning_iocatch.shard_headers import check_header, check_shards
-from lightning_iocatch.store_files import INDEX_KEY, shard_rank_and_seq
+from lightning_iocatch.store_files import INDEX_KEY
 from lightning_iocatch.store_fs import StoreLocation
 
 __all__ = [
@@ -60,20 +60,13 @@ def open_committed(
     info = read_store_info(location)
     if isinstance(location, Path):
         entries = read_ledger_entries(location) + read_commit_files(location)
-        entries.sort(key=_rank_and_seq)
+        entries.sort(key=lambda entry: entry.commit_order)
         files = check_shards(location, entries)
         return info, entries, {**files}, {**files}
     listing = list_objects(location)
     entries = read_commit_entries(location, listing, store_format=info["format"])
     opened = open_remote_shards(location, entries, listing)
     return info, entries, {name: shard.shard for name, shard in opened.items()}, {**opened}
-
-
-def _rank_and_seq(entry: LedgerEntry) -> tuple[int, int]:
-    named = shard_rank_and_seq(entry.record.file)
-    if named is None:  # read_ledger_entries accepts shard names only
-        raise StoreError(f"{entry.record.file!r} is not a shard name")
-    return named
 
 
 def read_header_and_indices(

@@ -136,9 +136,12 @@ class RowSelector:
         by_position[list(keep)] = torch.tensor(list(keep.values()), dtype=torch.int64)
         select = kept[sample].nonzero().squeeze(1) if len(keep) < samples else None
         batch = {INDEX_KEY: by_position[sample if select is None else sample[select]]}
-        tokens_of = torch.bincount(sample, minlength=samples)
-        without_rows = tuple(index for position, index in keep.items() if not tokens_of[position])
+        without_rows: tuple[int, ...] = ()  # a sample of a row per sample has its row
         if tokens is not None:
+            tokens_of = torch.bincount(sample, minlength=samples).tolist()
+            without_rows = tuple(
+                index for position, index in keep.items() if not tokens_of[position]
+            )
             coordinates = _coordinates(tokens)
             stored.update(coordinates)
             has_rows.update(dict.fromkeys(coordinates, True))

@@ -244,7 +244,7 @@ class TokenSelection:
         self.reduce = reduce
         self.shape = tuple(keep.shape)
         self._keep = keep
-        self._selected: list[torch.Tensor] = []
+        self._selected: dict[int, torch.Tensor] = {}  # by id; held, so ids stay theirs
         self._on_device: dict[tuple[torch.device, int], torch.Tensor] = {}
         batch, seq = self.shape
         start = torch.zeros(batch, dtype=torch.int64) if start is None else start.cpu()
@@ -307,8 +307,8 @@ class TokenSelection:
 
     def mark(self, copy: torch.Tensor) -> None:
         """Record ``copy`` as the captured copy of a selected tensor."""
-        self._selected.append(copy)
+        self._selected[id(copy)] = copy
 
     def is_selected(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is the captured copy of a selected tensor."""
-        return any(tensor is selected for selected in self._selected)
+        return self._selected.get(id(tensor)) is tensor

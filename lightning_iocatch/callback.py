@@ -33,7 +33,7 @@ from lightning_iocatch.predict_route import PredictMember, join_predict_route, l
 from lightning_iocatch.probe_sink import ProbeSink
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.spec import CaptureSpec
-from lightning_iocatch.token_rows import TokenRows, TokenSelection
+from lightning_iocatch.token_rows import TokenRows
 from lightning_iocatch.writer import FeatureWriter
 
 __all__ = ["IOCaptureCallback"]
@@ -177,7 +177,6 @@ class IOCaptureCallback(Callback):
         self._skip_step = False
         self._indexer: BatchIndexer | None = None
         self._token_rows = _token_rows(sinks)
-        self._tokens: TokenSelection | None = None
 
     @property
     @override
@@ -336,12 +335,10 @@ class IOCaptureCallback(Callback):
 
     def _select_tokens(self, batch: Any) -> None:
         """Give the catcher this predict batch's token selection (a writer's ``tokens``)."""
-        self._tokens = None
         if self._token_rows is None or self._session is None or self._stage != "predict":
             return
-        if not self._skip_step:
-            self._tokens = self._token_rows.select(batch)
-        self._session.catcher.select_tokens(self._tokens)
+        selection = None if self._skip_step else self._token_rows.select(batch)
+        self._session.catcher.select_tokens(selection)
 
     def _batch_end(
         self, stage: str, trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int
@@ -349,7 +346,7 @@ class IOCaptureCallback(Callback):
         if self._session is None or self._indexer is None or self._stage != stage:
             return
         captures = self._session.take()
-        tokens, self._tokens = self._tokens, None
+        tokens = self._session.catcher.transfer.tokens  # what this batch was captured with
         self._session.catcher.select_tokens(None)
         if self._skip_step:
             return  # captured only because another callback needed the forward
@@ -377,7 +374,6 @@ class IOCaptureCallback(Callback):
         """Remove the hooks and restore ``predict_step``; safe to call at any time."""
         session, self._session, self._stage = self._session, None, None
         self._indexer = None
-        self._tokens = None
         if self._catcher is not None:
             self._catcher.select_tokens(None)
         leave_route, self._leave_route = self._leave_route, None

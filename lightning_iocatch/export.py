@@ -86,53 +86,56 @@ def export_dataset(
 ) -> Path:
     """Write the rows of a feature store as a Hugging Face dataset that ``load_from_disk`` reads.
 
-        Rows are streamed shard by shard (``FeatureStore.batches``) and written in Arrow record
-        batches of at most ``batch_rows`` rows, so memory stays bounded by about one shard of
-        the exported keys plus one record batch, whatever the store's size. The dataset first goes
-        to a temporary Arrow file next to ``out_dir`` (removed at the end, also on errors) and
-        is then saved there with ``Dataset.save_to_disk``: the export needs about twice the
-        dataset's size on disk while it runs.
+    Rows are streamed shard by shard (``FeatureStore.batches``) and written in Arrow record
+    batches of at most ``batch_rows`` rows, so memory stays bounded by about one shard of
+    the exported keys plus one record batch, whatever the store's size. The dataset first goes
+    to a temporary Arrow file next to ``out_dir`` (removed at the end, also on errors) and
+    is then saved there with ``Dataset.save_to_disk``: the export needs about twice the
+    dataset's size on disk while it runs.
 
-        Rows come in the store's commit order (rank by rank, shard by shard), not sorted: the
-        ``"index"`` column holds each row's dataset index (``dataset.sort("index")`` orders
-        them). A store holding an index twice is refused, or read from its first commits with
+    Rows come in the store's commit order (rank by rank, shard by shard), not sorted: the
+    ``"index"`` column holds each row's dataset index (``dataset.sort("index")`` orders
+    them). A store holding an index twice is refused, or read from its first commits with
     ``on_duplicate="first"``, as :class:`~lightning_iocatch.FeatureStore` does.
 
-        Args:
-            store_path: a directory :class:`~lightning_iocatch.FeatureWriter` wrote, or its fsspec
-                URL (with ``storage_options``).
-            out_dir: where to save the dataset; must not exist or be an empty directory.
-            keys: the store keys to export (default: every key). Each must have one row per
-                sample with the same shape and dtype in every batch, and all of them must
-                cover the same dataset indices; per-batch keys (``metadata["per_batch"]``)
-                and keys whose row shape varies are refused, naming them.
-            layout: ``"columns"`` (one column per key, named by the key) or ``"saelens"``.
-            hook_name: ``"saelens"`` only: the name of the activation column, the
-                ``hook_name`` of SAELens' config (default: the key's module name, the part
-                before the first ``/``).
-            token_ids_key: ``"saelens"`` only: the integer key of row shape
-                ``(context_size,)`` holding the token ids (e.g. ``"model/inputs/args/0"``).
-                Default: the one such key in the store, if exactly one exists; with none,
-                the dataset has no ``token_ids`` column (SAELens treats it as optional).
-            batch_rows: rows per Arrow record batch (default: as many as fit in 64 MiB).
-            dataloader_idx: which predict dataloader's rows to export.
+    Args:
+        store_path: a directory :class:`~lightning_iocatch.FeatureWriter` wrote, or its fsspec
+            URL (with ``storage_options``).
+        out_dir: where to save the dataset; must not exist or be an empty directory.
+        keys: the store keys to export (default: every key). Each must have one row per
+            sample with the same shape and dtype in every batch, and all of them must
+            cover the same dataset indices; per-batch keys (``metadata["per_batch"]``)
+            and keys whose row shape varies are refused, naming them.
+        layout: ``"columns"`` (one column per key, named by the key) or ``"saelens"``.
+        hook_name: ``"saelens"`` only: the name of the activation column, the
+            ``hook_name`` of SAELens' config (default: the key's module name, the part
+            before the first ``/``).
+        token_ids_key: ``"saelens"`` only: the integer key of row shape
+            ``(context_size,)`` holding the token ids (e.g. ``"model/inputs/args/0"``).
+            Default: the one such key in the store, if exactly one exists; with none,
+            the dataset has no ``token_ids`` column (SAELens treats it as optional).
+        batch_rows: rows per Arrow record batch (default: as many as fit in 64 MiB).
+        dataloader_idx: which predict dataloader's rows to export.
+        storage_options: fsspec options for a URL ``store_path``.
+        on_duplicate: as :class:`~lightning_iocatch.FeatureStore`'s: ``"error"`` refuses a
+            store holding an index twice, ``"first"`` exports each from its first commit.
 
-        Returns:
-            ``out_dir`` as a :class:`~pathlib.Path`.
+    Returns:
+        ``out_dir`` as a :class:`~pathlib.Path`.
 
-        Raises:
-            ExportError: a key is unknown or cannot be a column, the keys cover different
-                rows, ``out_dir`` is not empty, or an argument is invalid.
-            ImportError: ``datasets`` is not installed.
+    Raises:
+        ExportError: a key is unknown or cannot be a column, the keys cover different
+            rows, ``out_dir`` is not empty, or an argument is invalid.
+        ImportError: ``datasets`` is not installed.
 
-        With ``layout="saelens"``, exactly one floating key of row shape ``(context_size,
-        d_in)`` is exported (``keys`` selects it when the store has several). SAELens'
-        ``ActivationsStore``, which its training runner builds with
-        ``use_cached_activations=True`` and ``cached_activations_path=out_dir``, reads it
-        given ``hook_name`` as here and the same ``context_size`` and ``d_in`` (tested with
-        sae-lens 6.54). Token ids are stored as int32, as SAELens stores them.
+    With ``layout="saelens"``, exactly one floating key of row shape ``(context_size,
+    d_in)`` is exported (``keys`` selects it when the store has several). SAELens'
+    ``ActivationsStore``, which its training runner builds with
+    ``use_cached_activations=True`` and ``cached_activations_path=out_dir``, reads it
+    given ``hook_name`` as here and the same ``context_size`` and ``d_in`` (tested with
+    sae-lens 6.54). Token ids are stored as int32, as SAELens stores them.
 
-        In both layouts, bfloat16 rows are stored as float32 (Arrow has no bfloat16).
+    In both layouts, bfloat16 rows are stored as float32 (Arrow has no bfloat16).
     """
     if layout not in _LAYOUTS:
         raise ExportError(f"`layout` must be one of {_LAYOUTS}, got {layout!r}")

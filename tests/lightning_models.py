@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.conftest import Counter, hook_count
+from tests.conftest import Counter, RowLinear, hook_count
 
 WIDTH = 8
 
@@ -20,7 +20,7 @@ class TinyNet(nn.Module):
     def __init__(self, depth: int = 3) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(depth)
+            nn.Sequential(RowLinear(WIDTH, WIDTH), nn.Tanh()) for _ in range(depth)
         )
         self.tail = Counter()
 
@@ -36,7 +36,7 @@ class TinyModule(pl.LightningModule):
     def __init__(self, model: nn.Module | None = None, fail_at_batch: int | None = None) -> None:
         super().__init__()
         self.model = model if model is not None else TinyNet()
-        self.head = nn.Linear(WIDTH, 1)
+        self.head = RowLinear(WIDTH, 1)
         self.fail_at_batch = fail_at_batch
         self.hooks_seen_in_training: list[int] = []
         self.val_losses: list[float] = []

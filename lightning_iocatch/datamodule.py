@@ -10,6 +10,7 @@ reads its own share, by ``torch.distributed``'s rank.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,9 @@ class StoreDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes per rank; each reads its own share.
         persistent_workers: keep the workers between epochs (they still get each epoch).
         pin_memory: pin batches for faster copies to the GPU.
+        multiprocessing_context: how workers start (``"fork"``, ``"spawn"``,
+            ``"forkserver"``; default: the platform's), as a ``DataLoader``'s. Every start
+            method reads each row once: the rank is resolved in the main process.
         shuffle, seed, buffer_rows, drop_last, with_indices, dtype, incomplete,
             on_duplicate, dataloader_idx, storage_options: as
             :class:`~lightning_iocatch.training_data.StoreRows`'s.
@@ -87,6 +91,7 @@ class StoreDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         persistent_workers: bool = False,
         pin_memory: bool = False,
+        multiprocessing_context: str | None = None,
         shuffle: bool = True,
         seed: int = 0,
         buffer_rows: int | None = None,
@@ -104,6 +109,15 @@ class StoreDataModule(pl.LightningDataModule):
         if persistent_workers and not num_workers:
             raise ValueError("`persistent_workers=True` needs `num_workers` of 1 or more")
         self.pin_memory = check_bool("pin_memory", pin_memory)
+        methods = multiprocessing.get_all_start_methods()
+        if multiprocessing_context is not None and multiprocessing_context not in methods:
+            raise ValueError(
+                f"`multiprocessing_context` must be None or one of {methods}, got "
+                f"{multiprocessing_context!r}"
+            )
+        if multiprocessing_context is not None and not num_workers:
+            raise ValueError("`multiprocessing_context` needs `num_workers` of 1 or more")
+        self.multiprocessing_context = multiprocessing_context
         self.dataset = StoreRows(
             path,
             keys,
@@ -142,6 +156,7 @@ class StoreDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.persistent_workers,
             pin_memory=self.pin_memory,
+            multiprocessing_context=self.multiprocessing_context,
         )
         loader.epoch_of = self._current_epoch
         return loader

@@ -22,7 +22,10 @@ epoch (:meth:`StoreRows.set_epoch`, as with a ``DistributedSampler``):
   batch_size`` per rank (the rows left out change with the epoch). A rank's batch ``i`` is
   made by its worker ``i % num_workers`` from the part of the run it needs, and the
   DataLoader collects batches from its workers in turn. Rank and world size come from
-  ``torch.distributed`` once initialised (Lightning does it), or ``rank=``/``world_size=``.
+  ``rank=``/``world_size=``, or from ``torch.distributed`` once initialised (Lightning
+  does it), resolved in the main process: a worker started by ``spawn`` or ``forkserver``
+  gets them with the dataset. A process that is one of several (``WORLD_SIZE`` > 1)
+  without a process group is refused, never read as rank 0 of 1.
 - **Memory.** Per worker: ``buffer_rows`` rows of every key (in the output dtype), one
   batch, and the rows being copied in (their shard is mapped only while they are copied),
   whatever the size of the store.
@@ -166,6 +169,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
             repr([(b.shard.name, b.position, b.rows) for b in self._blocks]).encode()
         ).hexdigest()
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by workers
+        self._carried: tuple[int, int] | str | None = None  # see __getstate__
 
     def _check_columns(self, store: FeatureStore) -> dict[str, Column]:
         described = store.metadata
@@ -202,9 +206,24 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
     def _rank_and_world(self) -> tuple[int, int]:
         if self._ranks is not None:
             return self._ranks
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
+        if get_worker_info() is not None and self._carried is not None:
+            # a worker started by spawn or forkserver: what the main process resolved
+            if isinstance(self._carried, str):
+                raise StoreError(self._carried)
+            return self._carried
+        # the main process, or a forked worker, which has its parent's process group
+        return _data_parallel_rank()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for a DataLoader worker (``spawn``, ``forkserver``): the rank and world size
+        go with it, resolved here in the main process (a worker has no process group)."""
+        state = dict(self.__dict__)
+        if self._ranks is None:
+            try:
+                state["_carried"] = _data_parallel_rank()
+            except StoreError as error:  # raised where the rank is needed, in the worker
+                state["_carried"] = str(error)
+        return state
 
     def __len__(self) -> int:
         """The number of batches this rank yields per epoch (the same on every rank)."""
@@ -238,6 +257,22 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
 
     def __repr__(self) -> str:
         return f"StoreRows({str(self.path)!r}, keys={list(self.keys)}, rows={self.rows})"
+
+
+def _data_parallel_rank() -> tuple[int, int]:
+    """This process's rank and world size: ``torch.distributed``'s once initialised; 0 of 1
+    in a process that is not one of several; an error where it cannot be known."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip() not in ("", "0", "1"):
+        raise StoreError(
+            f"StoreRows cannot tell which rows this process reads: WORLD_SIZE={world} says it "
+            "is one of several processes, but torch.distributed is not initialised in it. "
+            "Iterate it once the process group is set up (Trainer.fit does it before the "
+            "first batch), or pass StoreRows(..., rank=..., world_size=...)"
+        )
+    return 0, 1
 
 
 def _parse_keys(keys: str | Sequence[str]) -> tuple[str, ...]:

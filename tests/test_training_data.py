@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -318,6 +319,10 @@ def test_bad_data_module_arguments_are_named(dumped: Path) -> None:
         StoreDataModule(dumped, KEYS, batch_size=4, num_workers=-1)
     with pytest.raises(ValueError, match="`buffer_rows` must be >= 4"):
         StoreDataModule(dumped, KEYS, batch_size=4, buffer_rows=2)
+    with pytest.raises(ValueError, match="`multiprocessing_context` must be None or one of"):
+        StoreDataModule(dumped, KEYS, batch_size=4, num_workers=1, multiprocessing_context="fast")
+    with pytest.raises(ValueError, match="`multiprocessing_context` needs `num_workers`"):
+        StoreDataModule(dumped, KEYS, batch_size=4, multiprocessing_context="spawn")
 
 
 def test_ranks_that_see_different_stores_all_raise(dumped: Path) -> None:
@@ -334,9 +339,38 @@ def test_ranks_that_see_different_stores_all_raise(dumped: Path) -> None:
         data._agree(Strategy())  # type: ignore[arg-type]
 
 
+def test_a_process_that_cannot_tell_its_rank_is_refused(
+    dumped: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One of several processes (WORLD_SIZE=2) without a process group is refused with the fix,
+    in the process itself and in a worker it starts by spawn; before, it read as 0 of 1."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    data = StoreRows(dumped, KEYS, batch_size=4)
+    with pytest.raises(StoreError, match="WORLD_SIZE=2 says it is one of several processes"):
+        len(data)
+    in_worker = pickle.loads(pickle.dumps(data))  # what a spawned worker gets
+    monkeypatch.delenv("WORLD_SIZE")  # a worker's own environment does not decide
+    info = SimpleNamespace(id=0, num_workers=1)
+    monkeypatch.setattr(training_data, "get_worker_info", lambda: info)
+    with pytest.raises(StoreError, match=r"pass StoreRows\(\.\.\., rank=\.\.\., world_size"):
+        next(iter(in_worker))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    explicit = StoreRows(dumped, KEYS, batch_size=4, rank=1, world_size=2)
+    assert len(pickle.loads(pickle.dumps(explicit))) == 6  # 22 rows in batches of 4
+
+
 @pytest.mark.slow
-def test_two_ddp_processes_read_every_row_once_per_epoch(dumped: Path, tmp_path: Path) -> None:
-    run_script(__file__, str(dumped), str(tmp_path))
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_two_ddp_processes_read_every_row_once_per_epoch(
+    dumped: Path, tmp_path: Path, start_method: str
+) -> None:
+    """2 processes x 2 DataLoader workers started by each start method: inside Trainer.fit
+    (StoreDataModule, persistent workers) and in a DataLoader of StoreRows built by hand.
+
+    Workers started by ``spawn`` or ``forkserver`` have no process group: before the fix
+    each read as rank 0 of 1, so both ranks read all 45 rows (90 a epoch), without a word.
+    """
+    run_script(__file__, str(dumped), str(tmp_path), start_method)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [rank["sampler"] for rank in ranks] == ["_InfiniteConstantSampler"] * 2
     assert [rank["batches"] for rank in ranks] == [3, 3]  # 23 and 22 rows in batches of 11
@@ -349,11 +383,23 @@ def test_two_ddp_processes_read_every_row_once_per_epoch(dumped: Path, tmp_path:
         assert sorted(both) == list(range(N))
         orders.append(both)
     assert orders[0] != orders[1]
+    by_hand = [index for rank in ranks for batch in rank["by_hand"] for index in batch]
+    assert sorted(by_hand) == list(range(N))  # a DataLoader of StoreRows built by hand
+    assert [len(rank["by_hand"]) for rank in ranks] == [3, 3]
 
 
-def ddp_main(store: Path, out: Path) -> None:
+def ddp_main(store: Path, out: Path, start_method: str) -> None:
     pl.seed_everything(0)
-    data = StoreDataModule(store, KEYS, batch_size=11, num_workers=2, seed=7, with_indices=True)
+    data = StoreDataModule(
+        store,
+        KEYS,
+        batch_size=11,
+        num_workers=2,
+        persistent_workers=start_method != "fork",  # each epoch in the same workers
+        multiprocessing_context=start_method,
+        seed=7,
+        with_indices=True,
+    )
     module = Recorder()
     run = pl.Trainer(
         accelerator="cpu",
@@ -366,10 +412,13 @@ def ddp_main(store: Path, out: Path) -> None:
         enable_checkpointing=False,
     )
     run.fit(module, datamodule=data)
+    rows = StoreRows(store, KEYS, batch_size=11, seed=7, with_indices=True)
+    loader = DataLoader(rows, batch_size=None, num_workers=2, multiprocessing_context=start_method)
     facts = {
         "seen": module.seen,
         "sampler": type(run.train_dataloader.sampler).__name__,
         "batches": len(run.train_dataloader),
+        "by_hand": [batch[INDEX].tolist() for batch in loader],
     }
     (out / f"rank{run.global_rank}.json").write_text(json.dumps(facts))
 
@@ -440,7 +489,7 @@ def test_the_example_trains_a_sparse_autoencoder_on_a_dump(tmp_path: Path) -> No
 
 
 if __name__ == "__main__":
-    ddp_main(Path(sys.argv[1]), Path(sys.argv[2]))
+    ddp_main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float32])

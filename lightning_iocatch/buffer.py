@@ -89,6 +89,16 @@ class CaptureBuffer(Mapping[str, Entries]):
         """True when no captured value is still waiting for its copy."""
         return not self._waiting
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save``, ``copy.deepcopy``) once settled: the values, no copy in
+        flight."""
+        self.settle()
+        return {"_data": self._data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._data = state["_data"]
+        self._waiting, self._events = [], []
+
     def __getitem__(self, name: str) -> Entries:
         self.settle()
         if name in self._data:

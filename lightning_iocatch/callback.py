@@ -9,7 +9,9 @@ down, whichever comes first.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -285,11 +287,7 @@ class IOCaptureCallback(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        stage = self._stage
-        self._close()
-        if stage is not None:
-            for sink in self._sinks:
-                sink.on_exception(stage, exception)
+        self._stopped_by(exception)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -369,6 +367,24 @@ class IOCaptureCallback(Callback):
         self._close()
         for sink in self._sinks:
             sink.on_loop_end(trainer, pl_module, stage)
+
+    def _stopped_by(self, exception: BaseException) -> None:
+        """Close and tell every sink, whatever fails on the way: Lightning then raises the
+        run's own ``exception`` and tears down; what failed here is reported as a warning."""
+        stage = self._stage
+        steps = [self._close]
+        if stage is not None:
+            steps += [partial(sink.on_exception, stage, exception) for sink in self._sinks]
+        for step in steps:
+            try:
+                step()
+            except Exception as error:  # each step runs, whatever the others do
+                warnings.warn(
+                    f"IOCaptureCallback: while the run stopped on {type(exception).__name__}, "
+                    f"{type(error).__name__}: {error}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def _close(self) -> None:
         """Remove the hooks and restore ``predict_step``; safe to call at any time."""

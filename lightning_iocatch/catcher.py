@@ -157,21 +157,25 @@ class CaptureSession:
     def _begin_forward(self) -> None:
         self._pending = set(self._targets)
 
-    def _record(self, name: str, kind: Kind, value: Any, events: Sequence[Pending]) -> None:
-        coordinator = self.catcher.coordinator
-        if self.early_exit and not coordinator.in_forward:
+    def _wants_call(self) -> bool:
+        """Whether a hook of this session captures the call now (before anything is copied)."""
+        if not self.early_exit:
+            return True
+        if not self.catcher.coordinator.in_forward:
             raise CaptureError(
                 "this session has early_exit=True, so forwards must go through "
                 "`catcher.run(*args, **kwargs)` (or `catcher.call(fn, ...)`), which absorbs the "
                 "early-exit signal; the model was called directly"
             )
-        if self.early_exit and self.done:
-            return  # later calls in this forward: as if it had stopped here, whoever goes on
+        # done: later calls in this forward are as if it had stopped, whoever goes on
+        return not self.done
+
+    def _record(self, name: str, kind: Kind, value: Any, events: Sequence[Pending]) -> None:
         self.buffer.add(name, kind, value, events)
         if self.early_exit:
             self._pending.discard((name, kind))
             if not self._pending:
-                coordinator.maybe_stop(self)
+                self.catcher.coordinator.maybe_stop(self)
 
 
 def _names(argument: str, names: Any) -> list[str]:
@@ -208,7 +212,7 @@ def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
 
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if _in_backward():
+        if _in_backward() or not session._wants_call():
             return
         entry, events = transfer({"args": args, "kwargs": kwargs})
         session._record(name, "inputs", entry, events)
@@ -221,7 +225,7 @@ def _output_hook(session: CaptureSession, name: str) -> Callable[..., None]:
 
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if _in_backward():
+        if _in_backward() or not session._wants_call():
             return
         value, events = transfer(output)
         session._record(name, "outputs", value, events)

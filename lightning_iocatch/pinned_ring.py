@@ -51,7 +51,11 @@ class StagedCopy:
             if self.event is None or self.staging is None or self.destination is None:
                 raise RuntimeError("a staged copy was waited for before it was started")
             self.event.synchronize()
-            self.destination.copy_(self.staging)
+            # A capture made under torch.inference_mode() (Lightning's predict and evaluation
+            # loops) is an inference tensor, as on the synchronous path; it may only be
+            # filled in that mode, whichever mode reads it.
+            with torch.inference_mode(self.destination.is_inference()):
+                self.destination.copy_(self.staging)
             self.staging = None
             self.done = True
             self.ring.in_flight_bytes -= self.nbytes
@@ -111,8 +115,9 @@ class PinnedRing:
         if not self.fits(nbytes):
             raise ValueError(f"{nbytes} bytes do not fit a ring of {self.capacity} bytes")
         with self._lock:
-            if self._buffer is None:
-                self._buffer = self._allocate(self.capacity)
+            if self._buffer is None:  # a normal tensor, also when first used in inference mode
+                with torch.inference_mode(False):
+                    self._buffer = self._allocate(self.capacity)
             offset = self._place(nbytes)
             while offset is None:
                 self.waits += 1

@@ -95,6 +95,23 @@ def test_an_early_exit_session_captures_the_same_with_or_without_another_open() 
     assert len(head["head"]["outputs"]) == 1
 
 
+def test_a_done_early_exit_session_copies_nothing_more_while_another_keeps_the_forward() -> None:
+    """Before, the finished session still snapshotted and copied the block's second call
+    (and dropped it): one copy too many per forward, on a GPU a device-to-host copy."""
+    model = SharedTwice()
+    done, other = ModelIOCatcher(model, "cpu"), ModelIOCatcher(model, "cpu")
+    copies: list[int] = []
+    transfer = done.transfer
+    done.transfer = lambda value: copies.append(1) or transfer(value)  # type: ignore[assignment]
+    with (
+        done.from_spec("outputs[block]", early_exit=True) as first,
+        other.from_spec("outputs[head]"),
+    ):
+        for _ in range(3):
+            done.run(torch.randn(2, 4))
+    assert len(copies) == 3 and len(first["block"]["outputs"]) == 3  # one call a forward
+
+
 def test_two_early_exit_callbacks_each_get_every_batch_and_predict_returns_both() -> None:
     module = TinyModule()
     first = IOCaptureCallback("outputs[model.layers.0]", early_exit=True)

@@ -4,6 +4,8 @@ the fallback. The same code runs on a GPU in tests/gpu/."""
 
 from __future__ import annotations
 
+import copy
+import io
 import itertools
 import time
 from typing import Any
@@ -25,16 +27,19 @@ def plain_bytes(nbytes: int) -> torch.Tensor:
 
 
 class DeferredCopy:
-    """A fake CUDA event: the side-stream copy lands only when it is waited for."""
+    """A fake CUDA event: the side-stream copy lands only when it is waited for, as the
+    kernel enqueued then (in the inference mode of that moment) would have written it."""
 
     def __init__(self, log: list[str], staging: torch.Tensor, source: torch.Tensor) -> None:
         self.log, self.staging, self.source = log, staging, source
+        self.inference = torch.is_inference_mode_enabled()
         self.waited = 0
 
     def synchronize(self) -> None:
         self.waited += 1
         if self.waited == 1:
-            self.staging.copy_(self.source)
+            with torch.inference_mode(self.inference):
+                self.staging.copy_(self.source)
             self.log.append("copy landed")
 
 
@@ -222,3 +227,57 @@ def test_tensors_that_are_not_dense_take_the_synchronous_path() -> None:
     (copied,), pending = transfer((sparse,))
     assert pending == [] and ops.events == [] and copied.is_sparse
     assert torch.equal(copied.to_dense(), torch.eye(4))
+
+
+def fake_catcher(model: nn.Module, ops: FakeCudaOps, pinned_bytes: int = 1 << 16) -> Any:
+    catcher = ModelIOCatcher(model, "cpu")
+    catcher.transfer = CaptureTransfer(torch.device("cpu"), pinned_bytes=pinned_bytes, ops=ops)
+    return catcher
+
+
+def test_a_capture_made_in_inference_mode_is_read_after_the_block() -> None:
+    """Lightning's predict and evaluation loops run under ``torch.inference_mode()``: before,
+    the ring and the captured tensor were inference tensors filled in place after the block,
+    and reading raised ``Inplace update to inference tensor outside InferenceMode``."""
+    torch.manual_seed(0)
+    model = InPlaceAfter()
+    catcher = fake_catcher(model, FakeCudaOps())
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    with catcher(outputs=["block"]) as buf:
+        with torch.inference_mode():  # the ring is allocated here, on first use
+            for x in xs:
+                model(x.clone())
+        model(xs[0].clone())  # outside inference mode, through the same ring
+    with torch.no_grad():
+        truth = [synchronous_truth(model, x)[1] for x in [*xs, xs[0]]]
+    got = buf["block"]["outputs"]  # read after the block, outside inference mode
+    assert [torch.equal(a, b) for a, b in zip(got, truth, strict=True)] == [True] * 4
+    synchronous = ModelIOCatcher(model, "cpu", pinned_memory_bytes=0)
+    with synchronous(outputs=["block"]) as plain, torch.inference_mode():
+        model(xs[0].clone())
+    # as on the synchronous path: a capture made in inference mode is an inference tensor
+    assert [value.is_inference() for value in got] == [True, True, True, False]
+    assert plain["block"]["outputs"][0].is_inference()
+
+
+def test_a_buffer_with_copies_in_flight_pickles_and_deep_copies() -> None:
+    """``torch.save(buf)`` and ``copy.deepcopy(buf)`` settle first; before, they raised
+    ``cannot pickle '_thread.RLock' object`` (the pending copies hold the ring's lock)."""
+    torch.manual_seed(0)
+    model = InPlaceAfter()
+    ops = FakeCudaOps()
+    catcher = fake_catcher(model, ops)
+    x = torch.randn(4, 8)
+    with torch.no_grad(), catcher(outputs=["block"]):
+        model(x.clone())
+        session = catcher.session
+        assert session is not None and not session.buffer.settled
+        saved = io.BytesIO()
+        torch.save(session.buffer, saved)
+        copied = copy.deepcopy(session.buffer)
+        assert "copy landed" in ops.log
+    with torch.no_grad():
+        truth = synchronous_truth(model, x)[1]
+    saved.seek(0)
+    for buffer in (torch.load(saved, weights_only=False), copied, session.buffer):
+        assert torch.equal(buffer["block"]["outputs"][0], truth)

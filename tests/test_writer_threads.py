@@ -19,12 +19,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import lightning_iocatch.host_copy as host_copy
 import lightning_iocatch.shard_writer as shard_writer_module
 from lightning_iocatch import (
     BatchCaptures,
@@ -35,7 +37,9 @@ from lightning_iocatch import (
     StoreError,
 )
 from lightning_iocatch.ledger import read_ledgers
+from tests.conftest import hook_count
 from tests.lightning_models import TinyModule, dataset, loader, manual_outputs, trainer
+from tests.test_pinned_ring import FakeCudaOps
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = "outputs[model.layers.1]"
@@ -143,6 +147,50 @@ def test_another_sink_failing_mid_loop_still_commits_the_batches_written(tmp_pat
         trainer([callback]).predict(module, loader(40, 4), return_predictions=False)
     assert not writer_threads()
     assert_committed_prefix(tmp_path, module, rows=20)  # batches 0..4 reached the writer
+
+
+class FailsInALaterLayer(TinyModule):
+    """Batch 3 raises in ``model.layers.2``, after ``model.layers.1`` was captured."""
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        x = self.model.layers[1](self.model.layers[0](batch[0]))
+        if batch_idx == 3:
+            raise RuntimeError("CUDA out of memory (simulated) in model.layers.2")
+        return self.model.layers[2](x)
+
+
+class BrokenEventOps(FakeCudaOps):
+    """The GPU path on CPU fakes; the copy of the 4th capture fails when it is waited for."""
+
+    def copy_to_host(self, staging: torch.Tensor, snapshot: torch.Tensor) -> Any:
+        event = super().copy_to_host(staging, snapshot)
+        if len(self.events) == 4:
+            event.synchronize = lambda: (_ for _ in ()).throw(
+                RuntimeError("CUDA error: an illegal memory access (simulated)")
+            )
+        return event
+
+
+@pytest.mark.parametrize("ops", [FakeCudaOps, BrokenEventOps])
+def test_a_batch_failing_after_a_staged_copy_raises_its_own_error_and_commits_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ops: type[FakeCudaOps]
+) -> None:
+    """A predict batch that raises after an asynchronous copy was staged (the GPU path, with
+    CPU fakes of the CUDA calls, under Lightning's inference mode): before, ``on_exception``
+    raised the copy's error instead of the model's, so the writer committed 0 of the 12 rows
+    of the complete batches, its thread stayed, and Lightning's teardown was skipped."""
+    monkeypatch.setattr(host_copy, "CudaOps", ops)
+    module = FailsInALaterLayer()
+    callback = IOCaptureCallback(SPEC, writer=FeatureWriter(tmp_path, durable=False))
+    broken = ops is BrokenEventOps
+    with (
+        pytest.warns(RuntimeWarning, match="illegal memory access") if broken else nullcontext(),
+        pytest.raises(RuntimeError, match="CUDA out of memory"),
+    ):
+        trainer([callback]).predict(module, loader(40, 4), return_predictions=False)
+    assert not writer_threads()
+    assert hook_count(module) == 0 and "predict_step" not in vars(module)  # torn down
+    assert_committed_prefix(tmp_path, module, rows=12)  # batches 0..2
 
 
 @pytest.fixture

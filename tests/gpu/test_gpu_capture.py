@@ -1,8 +1,10 @@
 """The GPU path on a real CUDA device, checked bit for bit against synchronous copies.
 
 Skipped without CUDA (run it with `benchmarks/gpu_check.sh`). The ground truth is a
-plain hook that calls ``.cpu()`` synchronously at capture time, in the same forward, on
-models whose next op after a captured module works in place: a ResNet block's
+plain hook that clones the value on the model's stream at capture time, in the same forward
+(a blocking ``.cpu()`` there would drain the stream and hide the race being tested), read
+after ``torch.cuda.synchronize()``, on models whose next op after a captured module works
+in place: a ResNet block's
 ``out += identity`` after its last batch norm, ``ReLU(inplace=True)``, and a module that
 modifies its own input. Hundreds of batches run with the allocator under pressure, with
 and without early exit, with a ring far smaller than one forward's captures.
@@ -63,13 +65,14 @@ SPEC_IN = ["*.doubler"]
 
 
 def truth_hooks(model: nn.Module, sink: list[torch.Tensor]) -> list[Any]:
+    """Clones on the model's stream, never a synchronous copy: the stream keeps running ahead."""
     handles = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("bn1", "bn2"):
-            handles.append(module.register_forward_hook(lambda m, a, o: sink.append(o.cpu())))
+            handles.append(module.register_forward_hook(lambda m, a, o: sink.append(o.clone())))
         if leaf == "doubler":
-            handles.append(module.register_forward_pre_hook(lambda m, a: sink.append(a[0].cpu())))
+            handles.append(module.register_forward_pre_hook(lambda m, a: sink.append(a[0].clone())))
     return handles
 
 
@@ -98,7 +101,7 @@ def test_captures_equal_synchronous_copies_despite_in_place_ops(early_exit: bool
     truth: list[torch.Tensor] = []
     handles = truth_hooks(model, truth)
     catcher = ModelIOCatcher(model, "cpu", pinned_memory_bytes=8 << 20)  # < one forward
-    batches = 300
+    batches = 100  # the truth stays on the GPU until the end: 2.4 GiB of clones
     with torch.no_grad(), catcher(inputs=SPEC_IN, outputs=SPEC_OUT, early_exit=early_exit):
         session = catcher.session
         assert session is not None
@@ -109,10 +112,11 @@ def test_captures_equal_synchronous_copies_despite_in_place_ops(early_exit: bool
             got += in_call_order(session.take(), model)
     for handle in handles:
         handle.remove()
+    torch.cuda.synchronize()  # only now: every clone of the truth has landed
     # with early exit the forward stops at the last block's doubler input: still 12 a batch
     assert len(got) == len(truth) == batches * 12
     for a, b in zip(got, truth, strict=True):
-        assert a.device.type == "cpu" and torch.equal(a, b)
+        assert a.device.type == "cpu" and torch.equal(a, b.cpu())
     assert catcher.transfer.host is not None
     assert catcher.transfer.host.ring.peak_in_flight <= 8 << 20
 
@@ -233,3 +237,40 @@ def test_token_rows_on_the_gpu_copy_only_selected_tokens(
     store = FeatureStore(tmp_path)
     torch.testing.assert_close(store["proj/outputs"], torch.stack(want), rtol=1e-4, atol=1e-5)
     assert sum(shape[0] for shape in copied) == len(want)  # padding never left the GPU
+
+
+def test_captures_made_in_inference_mode_read_after_the_block() -> None:
+    model = resnet()
+    catcher = ModelIOCatcher(model, "cpu", pinned_memory_bytes=8 << 20)
+    x = torch.randn(8, 64, 32, 32, device="cuda")
+    with catcher(outputs=["3.bn2"]) as buf, torch.inference_mode():
+        model(x)
+    with torch.inference_mode():
+        truth = model[:3](x)
+        truth = model[3].bn2(model[3].conv2(model[3].relu(model[3].bn1(model[3].conv1(truth)))))
+    assert torch.equal(buf["3.bn2"]["outputs"][0], truth.cpu())
+
+
+class FailsAfterACapture(Encoder):
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        hidden = self.model[:2](batch[0])  # model.1.bn2 is captured (staged) in here
+        if batch_idx == 3:
+            raise RuntimeError("CUDA out of memory (simulated) after a staged copy")
+        return self.model[2:](hidden)
+
+
+def test_a_predict_batch_failing_after_a_staged_copy_commits_the_batches_before(
+    tmp_path: Path,
+) -> None:
+    images = torch.randn(64, 64, 16, 16)
+    callback = IOCaptureCallback(
+        "outputs[model.1.bn2]", writer=FeatureWriter(tmp_path), pinned_memory_bytes=2 << 20
+    )
+    trainer = pl.Trainer(accelerator="gpu", devices=1, logger=False, callbacks=[callback])
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        trainer.predict(
+            FailsAfterACapture(),
+            DataLoader(TensorDataset(images), batch_size=4),
+            return_predictions=False,
+        )
+    assert FeatureStore(tmp_path).indices.tolist() == list(range(12))

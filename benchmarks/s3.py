@@ -40,13 +40,14 @@ from safetensors.torch import save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/s3_server.py
 
 from lightning_iocatch import FeatureStore
-from lightning_iocatch.ledger import BatchRecord, ShardRecord
 from lightning_iocatch.object_store import (
     commit_name,
     list_objects,
     read_commit_entries,
 )
+from lightning_iocatch.records import BatchRecord, ShardRecord
 from lightning_iocatch.shard_writer import ShardWriter
+from lightning_iocatch.store_files import FORMAT
 from lightning_iocatch.store_fs import ObjectLocation, resolve_location
 from lightning_iocatch.store_plan import prepare_store
 from tests.s3_server import Request, S3Server
@@ -173,7 +174,7 @@ def main() -> None:
             0,
             1,
             0,
-            (BatchRecord(0, 0, 1),),
+            (BatchRecord.of(0, 0, torch.tensor([0])),),
             {KEY: "float32"},
             {KEY: [width]},
         )
@@ -192,7 +193,7 @@ def main() -> None:
             )
             server.taken()
             start = time.perf_counter()
-            entries = read_commit_entries(location, list_objects(location))
+            entries = read_commit_entries(location, list_objects(location), store_format=FORMAT)
             listing[str(count)] = {
                 "seconds": round(time.perf_counter() - start, 3),
                 "records": len(entries),

@@ -181,14 +181,17 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"{key:<56} skipped: {reason}")
     problems = []
     duplicated = store.duplicated_indices()
-    missing = store.missing_indices(args.expected)
+    gaps = store.missing_ranges(args.expected)
     if duplicated:
         problems.append(
             f"{len(duplicated)} dataset indices duplicated, e.g. {duplicated[:5]} (read once, "
             "from their first commit, with FeatureStore(..., on_duplicate='first'))"
         )
-    if missing:
-        problems.append(f"{len(missing)} dataset indices missing, e.g. {missing[:5]}")
+    if gaps:
+        missing = sum(stop - start for start, stop in gaps)
+        shown = ", ".join(_span(start, stop) for start, stop in gaps[:5])
+        more = f" and {len(gaps) - 5} more" if len(gaps) > 5 else ""
+        problems.append(f"{missing} dataset indices missing, in {len(gaps)} gap(s): {shown}{more}")
     if problems:
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
@@ -200,6 +203,11 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         print("\nindices    none: nothing is committed yet")
     return 0
+
+
+def _span(start: int, stop: int) -> str:
+    """``5..9`` for the indices ``range(5, 10)``; ``5`` for one."""
+    return str(start) if stop == start + 1 else f"{start}..{stop - 1}"
 
 
 def _export(args: argparse.Namespace) -> int:

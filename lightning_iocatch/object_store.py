@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import LedgerEntry, ShardRecord, scan_ledger
+from lightning_iocatch.ledger import LedgerEntry, scan_ledger
+from lightning_iocatch.records import ShardRecord, format_version
 from lightning_iocatch.store_files import (
-    READABLE_FORMATS,
     STORE_FILE,
     check_store_json,
     ledger_rank,
@@ -241,7 +241,7 @@ def read_store_info(location: StoreLocation) -> dict[str, Any]:
 
 
 def read_commit_entries(
-    location: ObjectLocation, listing: dict[str, int], *, store_format: str | None = None
+    location: ObjectLocation, listing: dict[str, int], *, store_format: str
 ) -> list[LedgerEntry]:
     """The record of every committed shard, by rank then sequence number: its commit record,
     or its line in a ledger object (a store written on disk and copied here).
@@ -265,22 +265,22 @@ def read_commit_entries(
         if not isinstance(data, bytes):
             failure = data if isinstance(data, BaseException) else OSError(repr(data))
             raise remote_error("read", location.url_of(name), failure)
+    version = format_version(store_format)
     entries = [
-        _commit_entry(location.url_of(name), named, data)
+        _commit_entry(location.url_of(name), named, data, version)
         for (named, name), data in zip(commits, fetched[: len(commits)], strict=True)
     ]
-    required = store_format != READABLE_FORMATS[0]
     for name, data in zip(ledgers, fetched[len(commits) :], strict=True):
         path = Path(location.path(name))  # the scan names it in messages: give the URL
         try:
-            scanned = scan_ledger(path, data, checksum_required=required).entries
+            scanned = scan_ledger(path, data, version=version).entries
         except StoreError as error:
             raise StoreError(str(error).replace(str(path), location.url_of(name), 1)) from error
         entries += [LedgerEntry(location.url_of(name), e.line, e.record) for e in scanned]
     return sorted(entries, key=lambda entry: entry.commit_order)
 
 
-def read_commit_files(root: Path) -> list[LedgerEntry]:
+def read_commit_files(root: Path, *, store_format: str) -> list[LedgerEntry]:
     """The commit records in ``root/commits`` of a local store (one written on object
     storage and downloaded), by rank then sequence number; other files there are ignored."""
     folder = root / COMMITS
@@ -305,14 +305,14 @@ def read_commit_files(root: Path) -> list[LedgerEntry]:
                 data = handle.read()
         except OSError as error:
             raise StoreError(f"cannot read commit record {path}: {error}") from error
-        entries.append(_commit_entry(str(path), named, data))
+        entries.append(_commit_entry(str(path), named, data, format_version(store_format)))
     return entries
 
 
-def _commit_entry(where: str, named: tuple[int, int], data: bytes) -> LedgerEntry:
+def _commit_entry(where: str, named: tuple[int, int], data: bytes, version: int) -> LedgerEntry:
     """The commit record ``data`` of the ``named`` shard, read at ``where``, once valid."""
     try:
-        record = ShardRecord.from_json(data.decode("utf-8"))
+        record = ShardRecord.from_json(data.decode("utf-8"), version=version)
     except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
         raise StoreError(f"commit record {where} is damaged: {error}") from error
     if record.file != shard_name(*named):

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import BatchRecord
+from lightning_iocatch.records import BatchRecord
 from lightning_iocatch.shard_file import STORABLE_DTYPES, dtype_name
 from lightning_iocatch.store_files import INDEX_KEY, POSITION_KEY, RESERVED_KEYS, TOKEN_ID_KEY
 from lightning_iocatch.store_plan import IndexSet, StorePlan
@@ -168,7 +168,7 @@ class RowSelector:
                     "batches stored this key row by row"
                 )
         nbytes = sum(tensor.numel() * tensor.element_size() for tensor in batch.values())
-        record = BatchRecord(dataloader_idx, batch_idx, int(batch[INDEX_KEY].numel()), without_rows)
+        record = BatchRecord.of(dataloader_idx, batch_idx, batch[INDEX_KEY], without_rows)
         return SelectedBatch(record, batch, frozenset(per_batch), skipped, nbytes)
 
     @staticmethod

@@ -59,7 +59,8 @@ def open_committed(
     (header checked against its record, indices read)."""
     info = read_store_info(location)
     if isinstance(location, Path):
-        entries = read_ledger_entries(location) + read_commit_files(location)
+        entries = read_ledger_entries(location)
+        entries += read_commit_files(location, store_format=info["format"])
         entries.sort(key=lambda entry: entry.commit_order)
         files = check_shards(location, entries)
         return info, entries, {**files}, {**files}

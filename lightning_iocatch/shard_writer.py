@@ -30,8 +30,9 @@ from typing import IO, Any
 import torch
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import ShardRecord, append_ledger
+from lightning_iocatch.ledger import append_ledger
 from lightning_iocatch.object_store import commit_shard, write_shard_object
+from lightning_iocatch.records import ShardRecord
 from lightning_iocatch.row_selection import RowSelector, SelectedBatch
 from lightning_iocatch.shard_file import dtype_name, write_safetensors
 from lightning_iocatch.store_files import (

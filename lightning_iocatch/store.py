@@ -30,6 +30,7 @@ from lightning_iocatch.store_fs import StoreLocation, resolve_location
 __all__ = ["FeatureStore"]
 
 OnDuplicate = Literal["error", "first"]
+_MAX_LISTED = 10_000_000  # missing indices listed one by one
 _ON_DUPLICATE = ("error", "first")
 
 
@@ -136,8 +137,7 @@ class FeatureStore:
         stored, indices = read_header_and_indices(entry, self._sources[record.file], mine)
         batches = []
         for position, index in indices.items():
-            if bool((index < 0).any()):
-                raise StoreError(f"shard {shard} is damaged: batch {position} has negative indices")
+            record.batches[position].check_indices(index, f"shard {shard} batch {position}")
             batches.append(
                 StoredBatch(
                     shard=shard,
@@ -256,16 +256,34 @@ class FeatureStore:
         """
         return list(self._duplicated)
 
-    def missing_indices(self, expected: int | None = None) -> list[int]:
-        """Indices absent from ``range(expected)`` (default: up to the largest index present)."""
+    def missing_ranges(self, expected: int | None = None) -> list[tuple[int, int]]:
+        """The indices absent from ``range(expected)`` (default: up to the largest index
+        present), as ascending half-open ranges ``(start, stop)``: one per gap, whatever its
+        length (a sparse or damaged index costs one range, not one flag per index).
+
+        Example: a store of indices 0..4 and 8 has ``missing_ranges(10) == [(5, 8), (9, 10)]``.
+        """
         if expected is not None and (type(expected) is not int or expected < 0):
             raise ValueError(f"`expected` must be a non-negative int or None, got {expected!r}")
-        total = expected
-        if total is None:
-            total = int(self._samples.max()) + 1 if self._samples.numel() else 0
-        present = torch.zeros(total, dtype=torch.bool)
-        present[self._samples[self._samples < total]] = True
-        return torch.nonzero(~present).flatten().tolist()
+        samples = self._samples
+        stop = expected
+        if stop is None:
+            stop = int(samples[-1]) + 1 if samples.numel() else 0
+        ends = torch.cat([torch.tensor([-1]), samples[samples < stop], torch.tensor([stop])])
+        gaps = (ends.diff() > 1).nonzero().flatten().tolist()
+        return [(int(ends[i]) + 1, int(ends[i + 1])) for i in gaps]
+
+    def missing_indices(self, expected: int | None = None) -> list[int]:
+        """Indices absent from ``range(expected)`` (default: up to the largest index present),
+        one by one; more than ten million are refused: :meth:`missing_ranges` lists them."""
+        ranges = self.missing_ranges(expected)
+        count = sum(stop - start for start, stop in ranges)
+        if count > _MAX_LISTED:
+            raise StoreError(
+                f"{count} dataset indices are missing from {self.path}, too many to list one by "
+                "one; store.missing_ranges() gives them as ranges"
+            )
+        return [index for start, stop in ranges for index in range(start, stop)]
 
     @property
     def samples(self) -> torch.Tensor:

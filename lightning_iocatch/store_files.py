@@ -52,8 +52,8 @@ __all__ = [
     "write_json_atomic",
 ]
 
-FORMAT = "lightning-iocatch-store/2"
-READABLE_FORMATS = ("lightning-iocatch-store/1", FORMAT)
+FORMAT = "lightning-iocatch-store/3"
+READABLE_FORMATS = ("lightning-iocatch-store/1", "lightning-iocatch-store/2", FORMAT)
 STORE_FILE = "store.json"
 INDEX_KEY = "__index__"
 # The coordinates of token rows (see lightning_iocatch.token_rows), stored as ordinary keys

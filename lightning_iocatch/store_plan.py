@@ -225,7 +225,8 @@ def _resume(path: StoreLocation, settings: Mapping[str, Any]) -> StorePlan:
         rank_seq = shard_rank_and_seq(record.file)
         if rank_seq is not None:
             next_seq[rank_seq[0]] = max(next_seq.get(rank_seq[0], 0), rank_seq[1] + 1)
-        for batch, index in zip(record.batches, indices(entry), strict=True):
+        for position, (batch, index) in enumerate(zip(record.batches, indices(entry), strict=True)):
+            batch.check_indices(index, f"shard {record.file} batch {position} ({entry.where})")
             seen = committed.setdefault(batch.dataloader_idx, IndexSet())
             for value in [*index.tolist(), *batch.without_rows]:
                 seen.add(value)
@@ -253,7 +254,8 @@ def _clean_files(path: Path) -> list[LedgerEntry]:
         if ledger_rank(name) is not None:
             check_own_path(path, name, for_writing=True)  # refuses a symbolic link
             drop_torn_tail(path / name)
-    entries = read_ledger_entries(path) + read_commit_files(path)  # commits/: downloaded
+    entries = read_ledger_entries(path)  # and commits/ of a store downloaded from objects
+    entries += read_commit_files(path, store_format=read_store_json(path)["format"])
     committed_files = {entry.record.file for entry in entries}
     for name in names:
         unfinished = is_store_file(name) and name.endswith(".tmp")

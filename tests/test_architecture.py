@@ -26,6 +26,7 @@ CORE = [
     "object_store",
     "pinned_ring",
     "probes",
+    "records",
     "remote_shards",
     "row_buffer",
     "row_selection",

@@ -14,7 +14,7 @@ import pytest
 
 from lightning_iocatch import FeatureWriter, IOCaptureCallback
 from lightning_iocatch.cli import main
-from lightning_iocatch.ledger import ShardRecord
+from lightning_iocatch.records import ShardRecord
 from tests.lightning_models import TinyModule, loader, trainer
 from tests.test_store_reader import transplant
 
@@ -46,7 +46,7 @@ def test_modules_lists_names_types_and_parameters() -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1].split() == ["(root)", "TinyModule", "225"]  # 3 x (8*8+8) + 9
-    assert ["model.layers.0.0", "Linear", "72"] in [line.split() for line in lines]
+    assert ["model.layers.0.0", "RowLinear", "72"] in [line.split() for line in lines]
 
 
 def test_modules_resolves_a_spec_or_fails_like_the_callback() -> None:
@@ -102,7 +102,10 @@ def test_inspect_a_complete_store(store: Path) -> None:
 
 def test_inspect_fails_on_missing_or_duplicated_rows(store: Path, tmp_path: Path) -> None:
     missing = cli("inspect", str(store), "--expected", "32")
-    assert missing.returncode == 1 and "2 dataset indices missing, e.g. [30, 31]" in missing.stderr
+    assert (
+        missing.returncode == 1
+        and "2 dataset indices missing, in 1 gap(s): 30..31" in missing.stderr
+    )
     copy = tmp_path / "copy"
     shutil.copytree(store, copy)
     transplant(store, copy, rank=1)  # every shard again, as rank 1's
@@ -129,7 +132,9 @@ def test_inspect_refuses_a_hostile_store_in_one_line(store: Path, tmp_path: Path
     copy = Path(shutil.copytree(store, tmp_path / "copy"))
     ledger = copy / "ledger-r000.jsonl"
     lines = ledger.read_text().splitlines(keepends=True)
-    record = dataclasses.replace(ShardRecord.from_json(lines[0]), file="../outside.safetensors")
+    record = dataclasses.replace(
+        ShardRecord.from_json(lines[0], version=3), file="../outside.safetensors"
+    )
     ledger.write_text(record.to_json() + "\n" + "".join(lines[1:]))
     result = cli("inspect", str(copy), "--verify")
     assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1

@@ -26,14 +26,8 @@ import lightning_iocatch.ledger as ledger_module
 import lightning_iocatch.shard_access as shard_access
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
 from lightning_iocatch.cli import main
-from lightning_iocatch.ledger import (
-    BatchRecord,
-    ShardRecord,
-    append_ledger,
-    drop_torn_tail,
-    file_crc32,
-    read_ledgers,
-)
+from lightning_iocatch.ledger import append_ledger, drop_torn_tail, file_crc32, read_ledgers
+from lightning_iocatch.records import BatchRecord, ShardRecord
 from lightning_iocatch.store_files import (
     FORMAT,
     STORE_FILE,
@@ -74,7 +68,7 @@ def transplant(source: Path, target: Path, rank: int) -> None:
 def rewrite_record(path: Path, line: int, **changes: Any) -> None:
     """Replace ledger line ``line`` (from 1) by its record with ``changes``, checksummed anew."""
     lines = (path / LEDGER).read_bytes().splitlines(keepends=True)
-    record = ShardRecord.from_json(lines[line - 1].decode())
+    record = ShardRecord.from_json(lines[line - 1].decode(), version=3)
     lines[line - 1] = (dataclasses.replace(record, **changes).to_json() + "\n").encode()
     (path / LEDGER).write_bytes(b"".join(lines))
 
@@ -151,8 +145,10 @@ def test_records_without_checksum_are_read_in_format_1_stores_only(
 ) -> None:
     lines = []
     for line in (store / LEDGER).read_text().splitlines():
-        record = json.loads(line)
+        record = json.loads(line)  # as format /1 wrote it: no checksum, no index summaries
         del record["record_crc32"]
+        for batch in record["batches"]:
+            del batch["index"]
         lines.append(json.dumps(record) + "\n")
     (store / LEDGER).write_text("".join(lines))
     with pytest.raises(StoreError, match="line 1 is damaged: it has no record_crc32"):
@@ -198,7 +194,7 @@ def test_a_torn_last_line_counts_for_neither_and_the_resume_rewrites_it(
     store: Path, expected: torch.Tensor
 ) -> None:
     lines = (store / LEDGER).read_bytes().splitlines(keepends=True)
-    last_rows = sum(b.rows for b in ShardRecord.from_json(lines[-1].decode()).batches)
+    last_rows = sum(b.rows for b in ShardRecord.from_json(lines[-1].decode(), version=3).batches)
     (store / LEDGER).write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
     partial = FeatureStore(store)
     assert len(partial) == N - last_rows
@@ -400,7 +396,7 @@ def handmade(
             rank=0,
             bytes=(path / name).stat().st_size,
             crc32=file_crc32(path / name),
-            batches=(BatchRecord(0, seq, len(indices)),),
+            batches=(BatchRecord.of(0, seq, torch.tensor(indices)),),
             keys={key: str(t.dtype).removeprefix("torch.") for key, t in tensors.items()},
             shapes={
                 k: list(t.shape if k in per_batch else t.shape[1:]) for k, t in tensors.items()
@@ -622,7 +618,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
         rf"'b0/{KEY}' has shape \[4, 8\], the record says \[4, 9\]",
     ),
     "header rows": (
-        change_record(batches=lambda r: (BatchRecord(0, 0, 3), *r.batches[1:])),
+        change_record(batches=lambda r: (BatchRecord.of(0, 0, torch.arange(3)), *r.batches[1:])),
         r"the record says (int64 \[3\]|\[3, 8\])",
     ),
     "header key not in record": (
@@ -695,7 +691,8 @@ def test_format_files_get_the_permissions_of_the_umask(
     (tmp_path / "store.json.tmp").write_text("debris")
     (tmp_path / "store.json.tmp").chmod(0o600)
     write_json_atomic(tmp_path / STORE_FILE, {"format": FORMAT})
-    record = ShardRecord(shard_name(0, 0), 0, 1, 2, (BatchRecord(0, 0, 1),), {}, {})
+    batches = (BatchRecord.of(0, 0, torch.tensor([0])),)
+    record = ShardRecord(shard_name(0, 0), 0, 1, 2, batches, {}, {})
     append_ledger(tmp_path / LEDGER, record)
     for name in (STORE_FILE, LEDGER):
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name

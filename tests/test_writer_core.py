@@ -19,7 +19,8 @@ from torch import nn
 
 import lightning_iocatch.shard_writer as shard_writer_module
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
-from lightning_iocatch.ledger import ShardRecord, file_crc32, read_ledgers
+from lightning_iocatch.ledger import file_crc32, read_ledgers
+from lightning_iocatch.records import ShardRecord
 from lightning_iocatch.shard_file import STORABLE_DTYPES
 from lightning_iocatch.shard_writer import ShardWriter
 from lightning_iocatch.store_files import INDEX_KEY

@@ -64,6 +64,7 @@ from lightning_iocatch.store_files import (
 from lightning_iocatch.store_fs import (
     ObjectLocation,
     StoreLocation,
+    is_missing_bucket,
     is_remote_failure,
     remote_error,
     remote_request,
@@ -125,10 +126,18 @@ def list_objects(location: ObjectLocation) -> dict[str, int]:
         found = fs.find(location.root, detail=True)
     prefix = location.root + "/"
     return {
-        path[len(prefix) :]: int(info.get("size") or 0)
+        name: int(info.get("size") or 0)
         for path, info in dict(found).items()
-        if path.startswith(prefix) and info.get("type", "file") == "file"
+        if path.startswith(prefix)
+        and info.get("type", "file") == "file"
+        and not _is_folder_marker(name := path[len(prefix) :], info)
     }
+
+
+def _is_folder_marker(name: str, info: dict[str, Any]) -> bool:
+    """The empty object named ``folder/`` that the S3 console makes for a folder (or the
+    prefix's own, listed as ``""``): it is no object of a store, nor anyone's data."""
+    return (not name or name.endswith("/")) and not int(info.get("size") or 0)
 
 
 def read_object(location: ObjectLocation, name: str) -> bytes:
@@ -223,7 +232,7 @@ def read_store_info(location: StoreLocation) -> dict[str, Any]:
     try:
         raw = location.fs.cat_file(location.path(STORE_FILE))
     except FileNotFoundError as error:
-        if "bucket" in str(error).lower():
+        if is_missing_bucket(error):
             raise remote_error("read", where, error) from error
         raise StoreError(
             f"{location.url} is not a feature store: it has no {STORE_FILE} (stores are "

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ObjectLocation",
     "StoreLocation",
+    "is_missing_bucket",
     "is_remote_failure",
     "remote_error",
     "remote_request",
@@ -218,6 +219,21 @@ def _raised_in_a_client(error: BaseException) -> bool:
     return False
 
 
+def is_missing_bucket(error: BaseException) -> bool:
+    """True when the client says the bucket does not exist (S3's ``NoSuchBucket``, as s3fs
+    passes it on in the error's cause), decided by the error code, never by the message:
+    a URL may hold the word "bucket" where the bucket exists and the key does not."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") == "NoSuchBucket":
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 @contextlib.contextmanager
 def remote_request(doing: str, where: str) -> Iterator[None]:
     """Turn a failed request in the block into :func:`remote_error`'s one clear error."""
@@ -241,7 +257,7 @@ def remote_error(doing: str, where: str, error: BaseException) -> StoreError:
             "`storage_options` (or the environment the filesystem reads them from) and "
             "their permissions on the bucket"
         )
-    if isinstance(error, FileNotFoundError) and "bucket" in str(error).lower():
+    if is_missing_bucket(error):
         return StoreError(
             f"cannot {doing} {where}: {error}; create the bucket first, or fix the URL"
         )

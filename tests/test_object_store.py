@@ -378,3 +378,10 @@ def test_a_prefix_with_glob_characters_touches_only_its_own_objects(url: str) ->
         dump(prefix, data[:2], mode="resume")
         assert FeatureStore(prefix).indices.tolist() == list(range(8))
     assert {name: objects(neighbour) for name, neighbour in neighbours.items()} == kept
+
+
+def test_a_url_holding_the_word_bucket_without_a_store_is_not_a_store() -> None:
+    """Before: "create the bucket first", chosen by the word "bucket" in the message."""
+    url = f"memory://my-bucket-{uuid.uuid4().hex[:8]}/bucket-runs/a"
+    with pytest.raises(StoreError, match=rf"^{url} is not a feature store: it has no store"):
+        FeatureStore(url)

@@ -169,6 +169,35 @@ def test_a_two_process_ddp_dump_to_s3(server: S3Server, bucket: str, weights: Pa
     assert_truth(store, weights)
 
 
+def test_a_url_holding_the_word_bucket_is_told_what_is_really_wrong(
+    server: S3Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, the error was chosen by matching "bucket" in the message, so an existing
+    bucket named my-bucket without a store under the prefix got "create the bucket first"."""
+    options = server.storage_options()
+    name = f"my-bucket-{uuid.uuid4().hex[:8]}"
+    server.make_bucket(name)
+    for url in (f"s3://{name}/run", f"s3://{name}/bucket-runs/a"):
+        with pytest.raises(StoreError, match=rf"^{url} is not a feature store: it has no store"):
+            FeatureStore(url, storage_options=options)
+        assert main(["inspect", url, "--storage-options", json.dumps(options)]) == 2
+        assert "create the bucket" not in capsys.readouterr().err
+
+
+def test_a_prefix_holding_only_folder_markers_is_empty(server: S3Server, bucket: str) -> None:
+    """The S3 console's "Create folder" makes an empty object ``run/``; before, ``create``
+    refused the prefix as not empty: "(it holds '')"."""
+    options = server.storage_options()
+    fs = resolve_location(f"s3://{bucket}/run", options).fs  # type: ignore[union-attr]
+    fs.pipe_file(f"{bucket}/run/", b"")
+    fs.pipe_file(f"{bucket}/run/notes/", b"")
+    dump(resolve_location(f"s3://{bucket}/run", options), batches(3))
+    assert len(FeatureStore(f"s3://{bucket}/run", storage_options=options)) > 0
+    fs.pipe_file(f"{bucket}/other/kept.txt", b"a user's file")
+    with pytest.raises(StoreError, match=r"is not empty; .*it holds 'kept.txt'"):
+        prepare_store(f"s3://{bucket}/other", "create", SETTINGS, storage_options=options)
+
+
 def test_a_missing_bucket_and_denied_credentials_give_one_clear_error(
     server: S3Server, bucket: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

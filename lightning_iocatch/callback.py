@@ -155,8 +155,6 @@ class IOCaptureCallback(Callback):
                 raise ValueError("`probes` run in validation or test, but `stages` has neither")
             sinks = [*sinks, self.probes]
         for sink in sinks:
-            if isinstance(sink, FeatureWriter):
-                sink.spec = self.spec.to_string()
             if not isinstance(sink, CaptureSink):
                 raise TypeError(
                     f"`sinks` must hold CaptureSink instances, got {type(sink).__name__}"
@@ -179,6 +177,7 @@ class IOCaptureCallback(Callback):
         self._skip_step = False
         self._indexer: BatchIndexer | None = None
         self._token_rows = _token_rows(sinks)
+        _bind_writers(self, sinks)  # last: a callback refused above takes no writer with it
 
     @property
     @override
@@ -400,6 +399,20 @@ class IOCaptureCallback(Callback):
         finally:
             if session is not None:
                 session.close()
+
+
+def _bind_writers(callback: IOCaptureCallback, sinks: Sequence[CaptureSink]) -> None:
+    """Make the callback's writers its own, or refuse before binding any of them."""
+    writers = [sink for sink in sinks if isinstance(sink, FeatureWriter)]
+    if len({id(writer) for writer in writers}) < len(writers):
+        raise ValueError(
+            "a FeatureWriter is given twice to one IOCaptureCallback (as `writer` and in "
+            "`sinks`, or twice in `sinks`): give it once"
+        )
+    for writer in writers:
+        writer.check_unbound()
+    for writer in writers:
+        writer.bind(callback, callback.spec.to_string())
 
 
 def _token_rows(sinks: Sequence[CaptureSink]) -> TokenRows | None:

@@ -14,7 +14,7 @@ import json
 import os
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -29,6 +29,7 @@ from lightning_iocatch.object_store import (
     COMMITS,
     commit_rank_and_seq,
     delete_objects,
+    is_own_object,
     list_objects,
     read_commit_entries,
     read_commit_files,
@@ -142,9 +143,9 @@ def prepare_store(
             return _resume(path, settings)
         path.mkdir(parents=True, exist_ok=True)
         names = _list_dir(path)
-        if mode == "create" and names:
+        if mode == "create" and names and not _never_committed(names):
             _refuse_not_empty(path, names)
-        if mode == "overwrite":
+        if names:  # overwrite, or create over a start that never committed anything
             for name in names:
                 if is_store_file(name):
                     check_own_path(path, name, for_writing=True)  # refuses a symbolic link
@@ -168,6 +169,17 @@ def _store_json(settings: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _never_committed(names: Iterable[str]) -> bool:
+    """Whether ``names`` are a store's own files of a start that committed nothing: its
+    ``store.json``, perhaps a shard or temporary file, no ledger and no commit record (a
+    dump refused at its first batch, or killed before its first commit)."""
+    names = list(names)
+    return all(
+        is_own_object(name) and ledger_rank(name) is None and not commit_rank_and_seq(name)
+        for name in names
+    )
+
+
 def _refuse_not_empty(path: StoreLocation, names: list[str]) -> None:
     shown = ", ".join(repr(name) for name in names[:3]) + (", ..." if names[3:] else "")
     raise StoreError(
@@ -184,9 +196,10 @@ def _prepare_objects(
     if mode == "resume":
         return _resume(location, settings)
     listing = list_objects(location)
-    if mode == "create" and listing:
+    if mode == "create" and listing and not _never_committed(listing):
         _refuse_not_empty(location, sorted(listing))
-    if mode == "overwrite":  # store.json first: a store cut short here is no store at all
+    if listing:  # overwrite, or create over a start that never committed anything
+        # store.json first: a store cut short here is no store at all
         points = {n for n in listing if commit_rank_and_seq(n) or ledger_rank(n) is not None}
         delete_objects(location, [name for name in listing if name == STORE_FILE])
         delete_objects(location, points)  # then no shard counts
@@ -202,10 +215,13 @@ def _resume(path: StoreLocation, settings: Mapping[str, Any]) -> StorePlan:
             f"nothing to resume in {path}: it holds no {STORE_FILE}; use mode='create'"
         )
     info = read_store_info(path)
+    names = list_objects(path) if isinstance(path, ObjectLocation) else _list_dir(path)
     for name in ("spec", "stage", "dtype", "tokens"):
         had, now = info.get(name), settings.get(name)
         if name == "spec" and (had is None or now is None):
             continue  # a writer used without IOCaptureCallback knows no spec
+        if had != now and _never_committed(names):  # nothing depends on the old settings
+            return prepare_store(path, "overwrite", settings)
         if had != now:
             raise StoreError(
                 f"{path} holds captures with {name} {had!r}, but this writer's {name} is "

@@ -148,9 +148,32 @@ class FeatureWriter(CaptureSink):
         if tokens is not None and not isinstance(tokens, TokenRows):
             raise TypeError(f"`tokens` must be a TokenRows or None, got {type(tokens).__name__}")
         self.tokens = tokens
-        self.spec: str | None = None  # set by IOCaptureCallback
+        self._spec: str | None = None
+        self._owner: object | None = None  # the IOCaptureCallback it belongs to
+        self._dumped = False  # one writer, one dump
         self._core: ShardWriter | None = None
         self._rows_before = self._bytes_before = 0
+
+    @property
+    def spec(self) -> str | None:
+        """The capture spec of the :class:`~lightning_iocatch.IOCaptureCallback` this writer
+        belongs to (recorded in ``store.json``); ``None`` before it is given to one."""
+        return self._spec
+
+    def bind(self, owner: object, spec: str) -> None:
+        """Belong to the callback ``owner``, which captures ``spec``: a writer belongs to
+        one callback (its store records one spec)."""
+        self.check_unbound()
+        self._owner, self._spec = owner, spec
+
+    def check_unbound(self) -> None:
+        """Refuse a writer that already belongs to a callback."""
+        if self._owner is not None:
+            raise ValueError(
+                f"this FeatureWriter ({self.path}) already belongs to another "
+                f"IOCaptureCallback (spec {self._spec!r}); a writer belongs to one callback, "
+                "whose spec its store records: give each callback its own FeatureWriter"
+            )
 
     @property
     def rows_written(self) -> int:
@@ -167,13 +190,22 @@ class FeatureWriter(CaptureSink):
     def on_loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == self.stage:
             self._end(abort=True)  # a loop that never reached its end leaves nothing running
+            if self._dumped:
+                raise StoreError(
+                    f"this FeatureWriter already wrote its dump to {self.path} in an earlier "
+                    "trainer.predict; a FeatureWriter writes one dump: give this predict a "
+                    "new FeatureWriter with another path, or FeatureWriter(path, "
+                    "mode='resume') to continue that dump"
+                )
             reason = missing_indices_reason(trainer, stage)
             if reason is not None:
                 raise StoreError(f"FeatureWriter stores rows by dataset index, but {reason}")
+            plan = self._plan(trainer)
+            self._dumped = True  # from here on the path holds this writer's store
             self._core = ShardWriter(
                 self.path,
                 rank=trainer.global_rank,
-                plan=self._plan(trainer),
+                plan=plan,
                 max_shard_bytes=self.max_shard_bytes,
                 queue_size=self.queue_size,
                 durable=self.durable,

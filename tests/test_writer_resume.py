@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_iocatch import (
@@ -33,6 +35,7 @@ from lightning_iocatch import (
     FeatureWriter,
     IOCaptureCallback,
     StoreError,
+    TokenRows,
 )
 from lightning_iocatch.ledger import read_ledgers
 from lightning_iocatch.probes import ActivationStats
@@ -218,6 +221,92 @@ def test_resume_with_another_spec_or_dtype_is_refused(
     with pytest.raises(StoreError, match=match):
         trainer([callback]).predict(Dump(weights), indexed_loader(4), return_predictions=False)
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+# The lifecycle: one writer, one dump; a start that failed leaves nothing in the way
+
+
+class Tokens(pl.LightningModule):
+    """An embedding over tuple batches ``(input_ids, attention_mask)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 4)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.embed(batch[0])
+
+
+def token_batches() -> DataLoader:
+    ids = torch.arange(24).reshape(6, 4) % 10
+    mask = torch.ones(6, 4, dtype=torch.long)
+    return DataLoader(TensorDataset(ids, mask), batch_size=2)
+
+
+@pytest.mark.parametrize("mode", ["create", "resume"])
+def test_a_dump_refused_at_its_first_batch_leaves_nothing_in_the_way(
+    tmp_path: Path, mode: str
+) -> None:
+    """Before, the refused start left store.json: the corrected rerun with mode='create' was
+    refused as not empty, and mode='resume' as holding other token settings."""
+    path = tmp_path / "store"
+    refused = IOCaptureCallback("outputs[embed]", writer=FeatureWriter(path, tokens=TokenRows()))
+    with pytest.raises(ValueError, match="the batch is a list without one; pass `mask=`"):
+        trainer([refused]).predict(Tokens(), token_batches(), return_predictions=False)
+    corrected = TokenRows(mask=lambda batch: batch[1] == 1)
+    writer = FeatureWriter(path, tokens=corrected, mode=mode)  # type: ignore[arg-type]
+    callback = IOCaptureCallback("outputs[embed]", writer=writer)
+    trainer([callback]).predict(Tokens(), token_batches(), return_predictions=False)
+    store = FeatureStore(path)
+    assert len(store) == 24 and store.metadata["tokens"]["mask"] == corrected.settings()["mask"]
+    with torch.no_grad():
+        truth = Tokens().embed(torch.arange(24).reshape(6, 4) % 10).reshape(24, 4)
+    assert torch.equal(store["embed/outputs"], truth)
+
+
+def test_a_resume_with_other_settings_is_refused_once_anything_is_committed(
+    killed: Path, tmp_path: Path
+) -> None:
+    from lightning_iocatch.store_plan import prepare_store
+
+    path = copy_of(killed, tmp_path)
+    with pytest.raises(StoreError, match="holds captures with spec"):
+        prepare_store(path, "resume", {"spec": "outputs[head]", "stage": "predict"})
+    with pytest.raises(StoreError, match="is not empty"):
+        prepare_store(path, "create", {"spec": SPEC, "stage": "predict"})
+
+
+def test_a_second_predict_with_the_same_writer_is_refused_naming_the_fix(
+    weights: Path, tmp_path: Path
+) -> None:
+    """Before: refused as "not empty", which tells the user nothing of what happened."""
+    callback = IOCaptureCallback(SPEC, writer=FeatureWriter(tmp_path / "store"))
+    run = trainer([callback])
+    run.predict(Dump(weights), indexed_loader(4), return_predictions=False)
+    with pytest.raises(
+        StoreError,
+        match=r"already wrote its dump to .*store in an earlier "
+        r"trainer\.predict; a FeatureWriter writes one dump: .*mode='resume'",
+    ):
+        run.predict(Dump(weights), indexed_loader(4), return_predictions=False)
+    assert_exactly_once(tmp_path / "store", weights)
+
+
+def test_a_writer_belongs_to_one_callback(tmp_path: Path) -> None:
+    """Before, each callback set ``writer.spec``: the last one's spec went into the store."""
+    writer = FeatureWriter(tmp_path)
+    first = IOCaptureCallback("outputs[model.layers.1]", writer=writer)
+    assert writer.spec == "outputs[model.layers.1]"
+    with pytest.raises(ValueError, match="already belongs to another IOCaptureCallback"):
+        IOCaptureCallback("outputs[model.layers.2]", writer=writer)
+    twice = FeatureWriter(tmp_path / "b")
+    with pytest.raises(ValueError, match="given twice"):
+        IOCaptureCallback("outputs[model.layers.2]", writer=twice, sinks=[twice])
+    IOCaptureCallback("outputs[model.layers.2]", writer=twice)  # a refused callback took none
+    assert first.spec.to_string() == writer.spec
+    with pytest.raises(AttributeError):
+        writer.spec = "outputs[model.layers.2]"  # type: ignore[misc]
 
 
 # The store's directory: debris of a kill is cleaned, nothing else is touched

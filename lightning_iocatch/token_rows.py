@@ -100,8 +100,10 @@ class TokenRows:
             ``batch["attention_mask"]`` (the batch must then be a mapping holding it).
         token_ids: ``token_ids(batch) -> (batch, seq)`` integer tensor recorded with each
             row; default: ``batch["input_ids"]`` where the batch is a mapping holding it.
-        drop_first: drop each sequence's first real token (BOS): at position 0, or, with
-            left padding, where the batch's ``attention_mask`` is first 1.
+        drop_first: drop each sequence's first real token (BOS): where the batch's
+            ``attention_mask`` is first 1 (position 0 without left padding), or, in a batch
+            without ``attention_mask``, the first token ``mask`` selects. Positions count
+            from the same first real token.
         drop_token_ids: drop tokens with these ids (special tokens); needs token ids.
         reduce: ``None`` for one row per token; ``"mean"``, ``"first"`` or ``"last"`` for
             one row per sample.
@@ -174,12 +176,13 @@ class TokenRows:
     @staticmethod
     def _first_real_token(batch: Any, mask: torch.Tensor) -> torch.Tensor:
         """Per sample, the column of its first token that is not padding: where the batch's
-        ``attention_mask`` is first 1 (left padding), else 0."""
-        padding = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-        if not isinstance(padding, torch.Tensor) or tuple(padding.shape) != tuple(mask.shape):
-            return torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
+        ``attention_mask`` is first 1 (left padding), or, in a batch without one, where the
+        selection ``mask`` is first true (0 for a sample with none)."""
         if not mask.shape[1]:
             return torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
+        padding = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if not isinstance(padding, torch.Tensor) or tuple(padding.shape) != tuple(mask.shape):
+            padding = mask
         return (padding.to(mask.device) != 0).int().argmax(1)
 
     def _mask(self, batch: Any) -> torch.Tensor:

@@ -486,3 +486,25 @@ def test_a_ledger_record_keeps_the_samples_without_rows() -> None:
         del damaged["record_crc32"]
         with pytest.raises(ValueError, match="without_rows"):
             ShardRecord.from_json(json.dumps(damaged), version=1)
+
+
+def test_drop_first_with_a_mask_of_ones_own_finds_the_first_real_token_without_attention_mask() -> (
+    None
+):
+    """A left-padded tuple batch, selected by ``mask=``: before, the first real token was
+    looked for in ``batch["attention_mask"]`` only, so column 0 (padding) was dropped, the
+    BOS kept, and positions counted the padding (2, 3, 4 instead of 1, 2)."""
+    ids = torch.tensor([[0, 0, 1, 5, 6], [1, 7, 8, 9, 4]])
+    padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    selection = TokenRows(
+        mask=lambda batch: batch[1] == 1, token_ids=lambda batch: batch[0], drop_first=True
+    ).select((ids, padding))
+    # by hand: sample 0's real tokens are columns 2..4 (BOS at 2), sample 1's columns 0..4
+    assert selection.sample.tolist() == [0, 0, 1, 1, 1, 1]
+    assert selection.position is not None and selection.token_id is not None
+    assert selection.position.tolist() == [1, 2, 1, 2, 3, 4]
+    assert selection.token_id.tolist() == [5, 6, 7, 8, 9, 4]
+    with_mask = TokenRows(drop_first=True).select({"input_ids": ids, "attention_mask": padding})
+    assert with_mask.position is not None and with_mask.token_id is not None
+    assert with_mask.position.tolist() == selection.position.tolist()  # the same rule
+    assert with_mask.token_id.tolist() == selection.token_id.tolist()

@@ -128,6 +128,7 @@ def early_exit(model: GPT2Model, ids: torch.Tensor, repeats: int) -> dict:
         ratio, share = ratios[f"early_exit_{label}"], ratios[f"share_{label}"]
         result[f"early_exit_{label}"] = {
             **ratio,
+            "block": f"h.{stops[label]}",
             "share_run": share["median"],
             "excess": round(ratio["median"] - share["median"], 3),
         }

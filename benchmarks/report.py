@@ -73,11 +73,11 @@ def table(overhead: dict, predict: dict, dump: dict, probes: dict) -> str:
             "",
         ),
     ]
-    for label, block in (("block0", "0"), ("middle", "6"), ("last", "11")):
+    for label in ("block0", "middle", "last"):
         e = gpt2[f"early_exit_{label}"]
         rows.append(
             (
-                f"early exit after block {block} of 12 (share of network run)",
+                f"early exit after `{e['block']}` of `h.0`..`h.11` (share of network run)",
                 f"{spread(e)} (share {e['share_run']:.3f}, excess {e['excess']:+.3f})",
                 "excess of the medians ≤ 0.03: "
                 + ("meets" if abs(e["excess"]) <= 0.03 else "misses"),

@@ -163,10 +163,25 @@ def test_early_exit_fires_after_the_last_capture_in_execution_order(blocks: Bloc
 
 
 def test_output_hooks_fire_after_the_whole_subtree(blocks: Blocks) -> None:
+    """``layers.0``'s output is captured after its subtree (the Linear, then the ReLU) has
+    run, so an early exit on both stops after the ReLU, before ``layers.1`` starts."""
+    ran: list[str] = []
+    handles = [
+        blocks.layers[0][0].register_forward_hook(lambda *_: ran.append("layers.0.0")),
+        blocks.layers[0][1].register_forward_hook(lambda *_: ran.append("layers.0.1")),
+        blocks.layers[1].register_forward_pre_hook(lambda *_: ran.append("layers.1")),
+    ]
     catcher = ModelIOCatcher(blocks, "cpu")
+    x = torch.randn(1, 8)
     with catcher.from_spec("outputs[layers.0|layers.0.0]", early_exit=True) as buf:
-        catcher.run(torch.randn(1, 8))
-    assert len(buf["layers.0"]["outputs"]) == 1 and len(buf["layers.0.0"]["outputs"]) == 1
+        assert catcher.run(x) is None
+    for handle in handles:
+        handle.remove()
+    assert ran == ["layers.0.0", "layers.0.1"]  # layers.1 never started
+    with torch.no_grad():
+        linear = blocks.layers[0][0](x)
+    assert torch.equal(buf["layers.0.0"]["outputs"][0], linear)
+    assert torch.equal(buf["layers.0"]["outputs"][0], torch.relu(linear))
 
 
 class Branchy(nn.Module):

@@ -1,9 +1,11 @@
-"""cli.py: the lightning-iocatch command, run as a subprocess."""
+"""cli.py: the lightning-iocatch command, run in this process through ``cli.main`` (one test
+starts ``python -m lightning_iocatch`` in a process of its own)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import shutil
 import subprocess
@@ -21,15 +23,35 @@ from tests.test_store_reader import transplant
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_iocatch", *args],
+@dataclasses.dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli(*args: str) -> Result:
+    """``lightning-iocatch ARGS``: its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse: --help, or a bad command line
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+def test_python_dash_m_runs_the_command_in_a_process_of_its_own(store: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_iocatch", "inspect", str(store), "--expected", "99"],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=120,
     )
+    assert result.returncode == 1 and result.stdout.startswith(f"store      {store}")
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
 
 
 def test_help_of_every_command() -> None:

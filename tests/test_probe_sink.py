@@ -17,7 +17,7 @@ from lightning_iocatch.keys import flatten_captures
 from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe
 from lightning_iocatch.probes.linear import _unit_hash
 from tests.lightning_models import tiny_llama, trainer
-from tests.test_probes import numpy_batch_stats, numpy_cka
+from tests.test_probes import numpy_batch_stats, numpy_cka, numpy_probe_acc
 
 STATS = ("mean", "std", "rms", "absmax", "zero_frac", "dead_frac")
 
@@ -71,7 +71,9 @@ def test_llama_decoder_layer_inputs_feed_every_probe() -> None:
     layer_input = "model.model.layers.1/inputs/args/0"
     expected = numpy_batch_stats([h.double().numpy() for h in hidden])
     assert logged_stats(values, layer_input) == pytest.approx(expected, rel=1e-6)
-    assert 0 <= values[f"iocatch/{layer_input}/probe_acc"] <= 1
+    pooled_input = np.concatenate([h.double().mean(dim=1).numpy() for h in hidden])
+    expected_acc = numpy_probe_acc(pooled_input, labels.numpy(), np.arange(8), num_classes=2)
+    assert values[f"iocatch/{layer_input}/probe_acc"] == pytest.approx(expected_acc)
     probed = {name.rsplit("/", 1)[0] for name in values if "cka" not in name}
     layer_output = next(key for key in probed if "layers.0/outputs" in key).removeprefix("iocatch/")
     assert probed == {f"iocatch/{layer_input}", f"iocatch/{layer_output}"}

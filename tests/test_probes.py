@@ -241,6 +241,21 @@ def holdout_split(n: int, fraction: float) -> np.ndarray:
     return np.array([_unit_hash(i) < fraction for i in range(n)])
 
 
+def numpy_probe_acc(
+    x: np.ndarray, labels: np.ndarray, indices: np.ndarray, num_classes: int, ridge: float = 1e-3
+) -> float:
+    """A ridge classifier on one-hot targets in float64, trained on the samples whose index
+    hashes at or above the default held-out fraction 0.2 and scored on the others."""
+    held = np.array([_unit_hash(int(i)) < 0.2 for i in indices])
+    train = np.c_[x[~held], np.ones((~held).sum())]
+    gram = train.T @ train
+    penalty = ridge * max(gram.diagonal()[:-1].mean(), 1e-12)
+    gram += np.diag([penalty] * x.shape[1] + [0.0])
+    weights = np.linalg.lstsq(gram, train.T @ np.eye(num_classes)[labels[~held]], rcond=None)[0]
+    predicted = (np.c_[x[held], np.ones(held.sum())] @ weights).argmax(axis=1)
+    return float((predicted == labels[held]).mean())
+
+
 def test_linear_probe_regression_equals_least_squares_on_the_same_split() -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(500, 6))
@@ -410,7 +425,13 @@ def test_probes_in_a_fit_are_logged_and_match_numpy(tmp_path: Path) -> None:
             assert float(logged[f"iocatch/{layer}/outputs/{stat}"]) == pytest.approx(
                 value, rel=1e-5, abs=1e-6
             )
-        assert 0 <= float(logged[f"iocatch/{layer}/outputs/probe_acc"]) <= 1
+        expected_acc = numpy_probe_acc(
+            outputs[index].double().numpy(),
+            labels_of(dataset(40, seed=5).tensors).numpy(),
+            np.arange(40),
+            num_classes=2,
+        )
+        assert float(logged[f"iocatch/{layer}/outputs/probe_acc"]) == pytest.approx(expected_acc)
     expected_cka = numpy_cka(outputs[0].double().numpy(), outputs[2].double().numpy())
     assert float(
         logged["iocatch/cka/model.layers.0/outputs~model.layers.2/outputs"]

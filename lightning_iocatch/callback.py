@@ -33,6 +33,7 @@ from lightning_iocatch.errors import SpecError
 from lightning_iocatch.indices import BatchIndexer
 from lightning_iocatch.predict_route import PredictMember, join_predict_route, leave_predict_route
 from lightning_iocatch.probe_sink import ProbeSink
+from lightning_iocatch.process_group_exit import destroy_gloo_group_at_exit
 from lightning_iocatch.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.spec import CaptureSpec
 from lightning_iocatch.token_rows import TokenRows
@@ -195,6 +196,10 @@ class IOCaptureCallback(Callback):
         return self._memory.indices if self._memory else {}
 
     # Lightning hooks: each hands off to a private helper.
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        destroy_gloo_group_at_exit()  # sinks make collectives; see process_group_exit
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

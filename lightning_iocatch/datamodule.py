@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from lightning_iocatch.checks import check_bool, check_int
 from lightning_iocatch.errors import StoreError
+from lightning_iocatch.process_group_exit import destroy_gloo_group_at_exit
 from lightning_iocatch.store import OnDuplicate
 from lightning_iocatch.training_data import Incomplete, StoreRows
 
@@ -136,6 +137,7 @@ class StoreDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         if self.trainer is not None:
+            destroy_gloo_group_at_exit()  # see process_group_exit
             self._agree(self.trainer.strategy)
 
     def _agree(self, strategy: pl.strategies.Strategy) -> None:

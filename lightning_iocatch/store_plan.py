@@ -173,9 +173,10 @@ def _never_committed(names: Iterable[str]) -> bool:
     """Whether ``names`` are a store's own files of a start that committed nothing: its
     ``store.json``, perhaps a shard or temporary file, no ledger and no commit record (a
     dump refused at its first batch, or killed before its first commit)."""
-    names = list(names)
     return all(
-        is_own_object(name) and ledger_rank(name) is None and not commit_rank_and_seq(name)
+        (is_store_file(name) or is_own_object(name))
+        and ledger_rank(name) is None
+        and not commit_rank_and_seq(name)
         for name in names
     )
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_iocatch import CaptureBuffer, FeatureWriter, IOCaptureCallback
-from lightning_iocatch.sinks import BatchCaptures
+from lightning_iocatch.lightning.sinks import BatchCaptures
 
 
 def fresh(directory: Path) -> Path:

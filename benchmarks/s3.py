@@ -40,16 +40,16 @@ from safetensors.torch import save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/s3_server.py
 
 from lightning_iocatch import FeatureStore
-from lightning_iocatch.object_store import (
+from lightning_iocatch.store.backends.location import ObjectLocation, resolve_location
+from lightning_iocatch.store.backends.objects import (
     commit_name,
     list_objects,
     read_commit_entries,
 )
-from lightning_iocatch.records import BatchRecord, ShardRecord
-from lightning_iocatch.shard_writer import ShardWriter
-from lightning_iocatch.store_files import FORMAT
-from lightning_iocatch.store_fs import ObjectLocation, resolve_location
-from lightning_iocatch.store_plan import prepare_store
+from lightning_iocatch.store.names import FORMAT
+from lightning_iocatch.store.plan import prepare_store
+from lightning_iocatch.store.records import BatchRecord, ShardRecord
+from lightning_iocatch.store.writer import ShardWriter
 from tests.s3_server import Request, S3Server
 
 SETTINGS = {"spec": None, "stage": "predict", "dtype": None}

@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2Model
 
 from lightning_iocatch import FeatureStore, ModelIOCatcher
-from lightning_iocatch.shard_writer import ShardWriter
-from lightning_iocatch.store_plan import prepare_store
+from lightning_iocatch.store.plan import prepare_store
+from lightning_iocatch.store.writer import ShardWriter
 
 SPEC = "outputs[h.1]"
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback
-from lightning_iocatch.datamodule import StoreDataModule
+from lightning_iocatch.lightning.datamodule import StoreDataModule
 
 LAYER = "net.1"
 KEY = f"{LAYER}/outputs"

@@ -20,41 +20,49 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_iocatch.buffer import CaptureBuffer
-    from lightning_iocatch.callback import IOCaptureCallback
-    from lightning_iocatch.catcher import CaptureSession, ModelIOCatcher
-    from lightning_iocatch.datamodule import StoreDataModule
+    from lightning_iocatch.capture import (
+        CaptureBuffer,
+        CaptureSession,
+        CaptureSpec,
+        ModelIOCatcher,
+        NotCaptured,
+        format_io_spec,
+        parse_io_spec,
+        transfer_to_device,
+    )
     from lightning_iocatch.errors import CaptureError, SpecError, StoreError, UnknownModuleError
-    from lightning_iocatch.sinks import BatchCaptures, CaptureSink, MemorySink
-    from lightning_iocatch.spec import CaptureSpec, format_io_spec, parse_io_spec
-    from lightning_iocatch.store import FeatureStore
-    from lightning_iocatch.token_rows import TokenRows
-    from lightning_iocatch.training_data import StoreRows
-    from lightning_iocatch.transfer import NotCaptured, transfer_to_device
-    from lightning_iocatch.writer import FeatureWriter
+    from lightning_iocatch.lightning import (
+        BatchCaptures,
+        CaptureSink,
+        FeatureWriter,
+        IOCaptureCallback,
+        MemorySink,
+        StoreDataModule,
+    )
+    from lightning_iocatch.store import FeatureStore, StoreRows, TokenRows
 
 _HOMES = {
-    "IOCaptureCallback": "callback",
-    "CaptureBuffer": "buffer",
-    "CaptureSession": "catcher",
-    "ModelIOCatcher": "catcher",
+    "IOCaptureCallback": "lightning",
+    "CaptureBuffer": "capture",
+    "CaptureSession": "capture",
+    "ModelIOCatcher": "capture",
     "CaptureError": "errors",
     "SpecError": "errors",
     "StoreError": "errors",
     "UnknownModuleError": "errors",
-    "BatchCaptures": "sinks",
-    "CaptureSink": "sinks",
-    "MemorySink": "sinks",
-    "CaptureSpec": "spec",
-    "format_io_spec": "spec",
-    "parse_io_spec": "spec",
+    "BatchCaptures": "lightning",
+    "CaptureSink": "lightning",
+    "MemorySink": "lightning",
+    "CaptureSpec": "capture",
+    "format_io_spec": "capture",
+    "parse_io_spec": "capture",
     "FeatureStore": "store",
-    "StoreDataModule": "datamodule",
-    "StoreRows": "training_data",
-    "TokenRows": "token_rows",
-    "NotCaptured": "transfer",
-    "transfer_to_device": "transfer",
-    "FeatureWriter": "writer",
+    "StoreDataModule": "lightning",
+    "StoreRows": "store",
+    "TokenRows": "store",
+    "NotCaptured": "capture",
+    "transfer_to_device": "capture",
+    "FeatureWriter": "lightning",
 }
 
 __all__ = [

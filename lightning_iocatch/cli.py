@@ -24,11 +24,11 @@ from typing import Any, NoReturn
 
 from torch import nn
 
-from lightning_iocatch.catcher import module_index
+from lightning_iocatch.capture.catcher import module_index
+from lightning_iocatch.capture.spec import CaptureSpec, resolve_names
 from lightning_iocatch.errors import SpecError, StoreError, UnknownModuleError
-from lightning_iocatch.object_store import list_objects
-from lightning_iocatch.spec import CaptureSpec, resolve_names
-from lightning_iocatch.store import FeatureStore
+from lightning_iocatch.store.backends.objects import list_objects
+from lightning_iocatch.store.reader import FeatureStore
 
 __all__ = ["main"]
 
@@ -211,7 +211,7 @@ def _span(start: int, stop: int) -> str:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lightning_iocatch.export import export_dataset
+    from lightning_iocatch.store.export import export_dataset
 
     out = export_dataset(
         args.store,

@@ -16,7 +16,7 @@ import pytest
 
 from lightning_iocatch import FeatureWriter, IOCaptureCallback
 from lightning_iocatch.cli import main
-from lightning_iocatch.records import ShardRecord
+from lightning_iocatch.store.records import ShardRecord
 from tests.lightning_models import TinyModule, loader, trainer
 from tests.test_store_reader import transplant
 

@@ -16,8 +16,8 @@ from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
 from lightning_iocatch import CaptureError, ModelIOCatcher
-from lightning_iocatch.catcher import module_index
-from lightning_iocatch.compiled import _compiled_parts, prepare_for_hooks
+from lightning_iocatch.capture.catcher import module_index
+from lightning_iocatch.capture.compiled import _compiled_parts, prepare_for_hooks
 from tests.conftest import hook_count
 
 

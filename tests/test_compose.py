@@ -9,8 +9,12 @@ import torch
 from torch import nn
 
 from lightning_iocatch import IOCaptureCallback, ModelIOCatcher
-from lightning_iocatch.catcher import CaptureSession
-from lightning_iocatch.predict_route import PredictMember, join_predict_route, leave_predict_route
+from lightning_iocatch.capture.catcher import CaptureSession
+from lightning_iocatch.lightning.predict_route import (
+    PredictMember,
+    join_predict_route,
+    leave_predict_route,
+)
 from tests.conftest import Blocks, hook_count
 from tests.lightning_models import TinyModule, loader, manual_outputs, trainer
 

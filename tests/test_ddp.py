@@ -72,7 +72,7 @@ import atexit, os, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1)
 atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))
-from lightning_iocatch.process_group_exit import destroy_gloo_group_at_exit
+from lightning_iocatch.lightning.process_group_exit import destroy_gloo_group_at_exit
 destroy_gloo_group_at_exit()
 destroy_gloo_group_at_exit()  # once per process
 dist.barrier()

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback
 from lightning_iocatch.cli import main
-from lightning_iocatch.export import ExportError, export_dataset
+from lightning_iocatch.store.export import ExportError, export_dataset
 from tests.lightning_models import TinyModule, dataset, loader, manual_outputs, trainer
 
 datasets = pytest.importorskip("datasets")

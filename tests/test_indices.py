@@ -14,11 +14,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_iocatch import IOCaptureCallback, StoreError
-from lightning_iocatch.sinks import BatchCaptures, CaptureSink
+from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink
 from tests.lightning_models import TinyModule, loader, trainer
 
 UPGRADE = (
-    f"Lightning {lightning.__version__} changed an internal that lightning_iocatch.indices reads: "
+    f"Lightning {lightning.__version__} changed an internal that "
+    "lightning_iocatch.lightning.batch_indices reads: "
 )
 
 

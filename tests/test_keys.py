@@ -8,7 +8,7 @@ import torch
 from transformers import GPT2Config, GPT2Model
 
 from lightning_iocatch import ModelIOCatcher
-from lightning_iocatch.keys import flatten_captures
+from lightning_iocatch.capture.keys import flatten_captures
 
 
 @dataclasses.dataclass
@@ -57,8 +57,8 @@ def test_dataclasses_none_and_repeated_calls() -> None:
 def test_values_that_flatten_to_one_key_are_refused_never_overwritten() -> None:
     import pytest
 
+    from lightning_iocatch.capture.keys import flatten_captures
     from lightning_iocatch.errors import CaptureError
-    from lightning_iocatch.keys import flatten_captures
 
     x = torch.zeros(1)
     for captures in (

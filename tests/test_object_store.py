@@ -21,11 +21,11 @@ from torch.utils.data import DataLoader
 
 from lightning_iocatch import FeatureStore, FeatureWriter, StoreError
 from lightning_iocatch.cli import main
-from lightning_iocatch.ledger import read_ledgers
-from lightning_iocatch.shard_writer import ShardWriter
-from lightning_iocatch.store_fs import ObjectLocation, resolve_location
-from lightning_iocatch.store_plan import prepare_store
-from lightning_iocatch.training_data import StoreRows
+from lightning_iocatch.store.backends.location import ObjectLocation, resolve_location
+from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.plan import prepare_store
+from lightning_iocatch.store.training import StoreRows
+from lightning_iocatch.store.writer import ShardWriter
 
 SETTINGS = {"spec": None, "stage": "predict", "dtype": None}
 N = 30

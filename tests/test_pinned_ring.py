@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_iocatch import ModelIOCatcher
-from lightning_iocatch.host_copy import CudaOps
-from lightning_iocatch.pinned_ring import PinnedRing, StagedCopy
-from lightning_iocatch.transfer import CaptureTransfer
+from lightning_iocatch.capture.host_copy import CudaOps
+from lightning_iocatch.capture.pinned_ring import PinnedRing, StagedCopy
+from lightning_iocatch.capture.transfer import CaptureTransfer
 
 
 def plain_bytes(nbytes: int) -> torch.Tensor:

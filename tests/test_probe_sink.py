@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_iocatch import BatchCaptures, CaptureSink, IOCaptureCallback
-from lightning_iocatch.keys import flatten_captures
+from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe
 from lightning_iocatch.probes.linear import _unit_hash
 from tests.lightning_models import tiny_llama, trainer

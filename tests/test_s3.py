@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
 from lightning_iocatch.cli import main
-from lightning_iocatch.ledger import read_ledgers
-from lightning_iocatch.store_fs import resolve_location
-from lightning_iocatch.store_plan import prepare_store
-from lightning_iocatch.training_data import StoreRows
+from lightning_iocatch.store.backends.location import resolve_location
+from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.plan import prepare_store
+from lightning_iocatch.store.training import StoreRows
 from tests.lightning_models import trainer
 from tests.s3_server import S3Server, s3_available
 from tests.test_object_store import batches, dump

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_iocatch import CaptureSpec, SpecError, format_io_spec, parse_io_spec
+from lightning_iocatch.capture.spec import canonical_name, resolve_names
 from lightning_iocatch.errors import UnknownModuleError
-from lightning_iocatch.spec import canonical_name, resolve_names
 
 _REFERENCE_RE = re.compile(r"(inputs|outputs)\[([^\]]*)\]")
 
@@ -271,13 +271,13 @@ def _backtracking_glob_matches(pattern: list[str], name: list[str]) -> bool:
 def test_glob_matching_equals_the_backtracking_reference(
     pattern: list[str], name: list[str]
 ) -> None:
-    from lightning_iocatch.spec import _glob_matches
+    from lightning_iocatch.capture.spec import _glob_matches
 
     assert _glob_matches(pattern, name) == _backtracking_glob_matches(pattern, name)
 
 
 def test_many_double_stars_resolve_in_linear_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_iocatch.spec as spec
+    import lightning_iocatch.capture.spec as spec
 
     calls = [0]
 

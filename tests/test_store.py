@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
-from lightning_iocatch.store_files import FORMAT
+from lightning_iocatch.store.names import FORMAT
 from tests.lightning_models import TinyModule, TinyNet, dataset, loader, manual_outputs, trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError, StoreRows
 from lightning_iocatch.cli import main
-from lightning_iocatch.ledger import read_ledgers
-from lightning_iocatch.store_files import FORMAT, INDEX_KEY, STORE_FILE
-from lightning_iocatch.store_plan import prepare_store
+from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.names import FORMAT, INDEX_KEY, STORE_FILE
+from lightning_iocatch.store.plan import prepare_store
 from tests.lightning_models import TinyModule, loader, trainer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

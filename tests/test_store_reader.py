@@ -22,13 +22,12 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader
 
-import lightning_iocatch.ledger as ledger_module
-import lightning_iocatch.shard_access as shard_access
+import lightning_iocatch.store.ledger as ledger_module
+import lightning_iocatch.store.shard_access as shard_access
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
 from lightning_iocatch.cli import main
-from lightning_iocatch.ledger import append_ledger, drop_torn_tail, file_crc32, read_ledgers
-from lightning_iocatch.records import BatchRecord, ShardRecord
-from lightning_iocatch.store_files import (
+from lightning_iocatch.store.ledger import append_ledger, drop_torn_tail, file_crc32, read_ledgers
+from lightning_iocatch.store.names import (
     FORMAT,
     STORE_FILE,
     ledger_name,
@@ -36,6 +35,7 @@ from lightning_iocatch.store_files import (
     shard_rank_and_seq,
     write_json_atomic,
 )
+from lightning_iocatch.store.records import BatchRecord, ShardRecord
 from tests.lightning_models import TinyModule, dataset, loader, manual_outputs, trainer
 
 SPEC = "inputs[head]|outputs[model.layers.1]"

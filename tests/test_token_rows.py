@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_iocatch.transfer as transfer_module
+import lightning_iocatch.capture.transfer as transfer_module
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreRows, TokenRows
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.ledger import read_ledgers
-from lightning_iocatch.shard_writer import ShardWriter
-from lightning_iocatch.store_files import POSITION_KEY, TOKEN_ID_KEY
-from lightning_iocatch.store_plan import prepare_store
+from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.names import POSITION_KEY, TOKEN_ID_KEY
+from lightning_iocatch.store.plan import prepare_store
+from lightning_iocatch.store.writer import ShardWriter
 from tests.conftest import ROOT, run_script
 from tests.lightning_models import tiny_llama, trainer
 
@@ -298,7 +298,7 @@ def test_a_sample_in_two_commits_is_duplicated_and_read_once_from_the_first(
 def test_token_rows_export_to_hugging_face_datasets_row_for_row(tmp_path: Path) -> None:
     from datasets import load_from_disk
 
-    from lightning_iocatch.export import export_dataset
+    from lightning_iocatch.store.export import export_dataset
 
     loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad())
     dump(tmp_path / "store", TokenRows(drop_first=True), loader)
@@ -341,7 +341,7 @@ def test_inspect_counts_samples_not_token_rows(
 
 
 def test_the_saelens_layout_refuses_token_rows_naming_the_columns_layout(tmp_path: Path) -> None:
-    from lightning_iocatch.export import ExportError, export_dataset
+    from lightning_iocatch.store.export import ExportError, export_dataset
 
     dump(tmp_path / "store", TokenRows(), DataLoader(Sentences(4), batch_size=4, collate_fn=pad()))
     with pytest.raises(ExportError, match="holds token rows.*layout='columns'"):
@@ -395,7 +395,7 @@ def test_generate_stores_the_prompt_as_token_rows_and_decoding_steps_per_batch(
 
 
 def test_first_and_last_of_empty_sequences_are_nan() -> None:
-    from lightning_iocatch.token_rows import TokenSelection
+    from lightning_iocatch.store.tokens import TokenSelection
 
     selection = TokenSelection(torch.ones(2, 0, dtype=torch.bool), None, "first")
     out = selection.apply(torch.ones(2, 0, 3))
@@ -466,7 +466,7 @@ def test_a_sample_without_a_selected_token_counts_as_stored(
 
 
 def test_a_ledger_record_keeps_the_samples_without_rows() -> None:
-    from lightning_iocatch.records import BatchRecord, ShardRecord
+    from lightning_iocatch.store.records import BatchRecord, ShardRecord
 
     record = ShardRecord(
         file="shard-r000-000000.safetensors",

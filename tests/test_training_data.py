@@ -26,12 +26,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_iocatch.training_data as training_data
+import lightning_iocatch.store.training as training_data
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
-from lightning_iocatch.datamodule import StoreDataModule
-from lightning_iocatch.shard_writer import ShardWriter
-from lightning_iocatch.store_plan import prepare_store
-from lightning_iocatch.training_data import INDEX, StoreRows
+from lightning_iocatch.lightning.datamodule import StoreDataModule
+from lightning_iocatch.store.plan import prepare_store
+from lightning_iocatch.store.training import INDEX, StoreRows
+from lightning_iocatch.store.writer import ShardWriter
 from tests.conftest import run_script
 from tests.lightning_models import TinyModule, loader, trainer
 
@@ -427,7 +427,7 @@ def ddp_main(store: Path, out: Path, start_method: str) -> None:
 
 READ = """
 import json, sys, time
-from lightning_iocatch.training_data import StoreRows
+from lightning_iocatch.store.training import StoreRows
 data = StoreRows(sys.argv[1], "proj/outputs", batch_size=256, buffer_rows=1024)
 start, rows, total = time.perf_counter(), 0, 0.0
 for batch in data:

@@ -17,14 +17,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-import lightning_iocatch.shard_writer as shard_writer_module
+import lightning_iocatch.store.writer as shard_writer_module
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
-from lightning_iocatch.ledger import file_crc32, read_ledgers
-from lightning_iocatch.records import ShardRecord
-from lightning_iocatch.shard_file import STORABLE_DTYPES
-from lightning_iocatch.shard_writer import ShardWriter
-from lightning_iocatch.store_files import INDEX_KEY
-from lightning_iocatch.store_plan import prepare_store
+from lightning_iocatch.store.ledger import file_crc32, read_ledgers
+from lightning_iocatch.store.names import INDEX_KEY
+from lightning_iocatch.store.plan import prepare_store
+from lightning_iocatch.store.records import ShardRecord
+from lightning_iocatch.store.shard_file import STORABLE_DTYPES
+from lightning_iocatch.store.writer import ShardWriter
 from tests.lightning_models import TinyModule, dataset, loader, manual_outputs, trainer
 
 SETTINGS = {"spec": None, "stage": "predict", "dtype": None, "world_size": 1}

@@ -37,9 +37,9 @@ from lightning_iocatch import (
     StoreError,
     TokenRows,
 )
-from lightning_iocatch.ledger import read_ledgers
 from lightning_iocatch.probes import ActivationStats
-from lightning_iocatch.store_files import INDEX_KEY, is_store_file
+from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.names import INDEX_KEY, is_store_file
 from tests.lightning_models import TinyModule, TinyNet, dataset, manual_outputs, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:predict returned None")  # skipped batches
@@ -268,7 +268,7 @@ def test_a_dump_refused_at_its_first_batch_leaves_nothing_in_the_way(
 def test_a_resume_with_other_settings_is_refused_once_anything_is_committed(
     killed: Path, tmp_path: Path
 ) -> None:
-    from lightning_iocatch.store_plan import prepare_store
+    from lightning_iocatch.store.plan import prepare_store
 
     path = copy_of(killed, tmp_path)
     with pytest.raises(StoreError, match="holds captures with spec"):
@@ -409,8 +409,8 @@ def _kill_both_ranks() -> None:
 
 def ddp_main(out: Path, weights: Path) -> None:
     """Runs of 2-process DDP dumps in one launch; each rank notes each run's outcome."""
-    import lightning_iocatch.store_plan as core
-    import lightning_iocatch.writer as adapter
+    import lightning_iocatch.lightning.feature_writer as adapter
+    import lightning_iocatch.store.plan as core
 
     rank = int(os.environ.get("LOCAL_RANK", 0))
     (out / f"pid-rank{rank}").write_text(str(os.getpid()))

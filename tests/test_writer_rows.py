@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback
-from lightning_iocatch.ledger import read_ledgers
-from lightning_iocatch.store_files import INDEX_KEY
+from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.names import INDEX_KEY
 from tests.lightning_models import tiny_llama, trainer
 
 LAYER = "model.model.layers.0"

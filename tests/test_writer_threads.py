@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_iocatch.host_copy as host_copy
-import lightning_iocatch.shard_writer as shard_writer_module
+import lightning_iocatch.capture.host_copy as host_copy
+import lightning_iocatch.store.writer as shard_writer_module
 from lightning_iocatch import (
     BatchCaptures,
     CaptureSink,
@@ -36,7 +36,7 @@ from lightning_iocatch import (
     IOCaptureCallback,
     StoreError,
 )
-from lightning_iocatch.ledger import read_ledgers
+from lightning_iocatch.store.ledger import read_ledgers
 from tests.conftest import hook_count
 from tests.lightning_models import TinyModule, dataset, loader, manual_outputs, trainer
 from tests.test_pinned_ring import FakeCudaOps

@@ -1,7 +1,7 @@
 """Validation-time activation probes: torchmetrics metrics, usable without Lightning.
 
 Pass prototypes to ``IOCaptureCallback(spec, probes=[...])``: its
-:class:`~lightning_iocatch.probe_sink.ProbeSink` clones a per-tensor probe
+:class:`~lightning_iocatch.lightning.probe_sink.ProbeSink` clones a per-tensor probe
 (:class:`ActivationStats`, :class:`LinearProbe`) for every captured tensor and dataloader
 and a cross-tensor probe (:class:`LayerCKA`) for every dataloader, feeds them each
 validation (or test) batch, and computes, logs and resets them at the end of the epoch.

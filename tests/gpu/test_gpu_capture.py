@@ -209,7 +209,7 @@ def test_token_rows_on_the_gpu_copy_only_selected_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from lightning_iocatch import TokenRows
-    from lightning_iocatch.host_copy import HostCopier
+    from lightning_iocatch.capture.host_copy import HostCopier
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 100, (64, 32), generator=generator)

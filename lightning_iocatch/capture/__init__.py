@@ -1,0 +1,33 @@
+"""Capture: what happens inside a forward, with no Lightning and no store.
+
+The spec grammar and name resolution (:mod:`~lightning_iocatch.capture.spec`), sessions
+whose hooks exist only while open (:mod:`~lightning_iocatch.capture.catcher`), the
+coordinator that lets sessions on one model compose and stops forwards early
+(:mod:`~lightning_iocatch.capture.coordinator`), snapshots and copies off the model
+(:mod:`~lightning_iocatch.capture.transfer`, the GPU path in
+:mod:`~lightning_iocatch.capture.host_copy` and :mod:`~lightning_iocatch.capture.pinned_ring`),
+the settled read-only buffer (:mod:`~lightning_iocatch.capture.buffer`), the flat key of a
+captured value (:mod:`~lightning_iocatch.capture.keys`) and ``torch.compile`` support
+(:mod:`~lightning_iocatch.capture.compiled`).
+"""
+
+from lightning_iocatch.capture.buffer import CaptureBuffer
+from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher, module_index
+from lightning_iocatch.capture.keys import flatten_captures, flatten_value
+from lightning_iocatch.capture.spec import CaptureSpec, format_io_spec, parse_io_spec
+from lightning_iocatch.capture.transfer import NotCaptured, snapshot, transfer_to_device
+
+__all__ = [
+    "CaptureBuffer",
+    "CaptureSession",
+    "CaptureSpec",
+    "ModelIOCatcher",
+    "NotCaptured",
+    "flatten_captures",
+    "flatten_value",
+    "format_io_spec",
+    "module_index",
+    "parse_io_spec",
+    "snapshot",
+    "transfer_to_device",
+]

@@ -1,0 +1,21 @@
+"""The Lightning adapter: the callback, its sinks, the writer sink and the data module.
+
+Everything here sits on the core (:mod:`lightning_iocatch.capture`,
+:mod:`lightning_iocatch.store`, :mod:`lightning_iocatch.probes`); nothing in the core
+imports it. :mod:`~lightning_iocatch.lightning.batch_indices` is the one module that reads
+Lightning's private internals.
+"""
+
+from lightning_iocatch.lightning.callback import IOCaptureCallback
+from lightning_iocatch.lightning.datamodule import StoreDataModule
+from lightning_iocatch.lightning.feature_writer import FeatureWriter
+from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink, MemorySink
+
+__all__ = [
+    "BatchCaptures",
+    "CaptureSink",
+    "FeatureWriter",
+    "IOCaptureCallback",
+    "MemorySink",
+    "StoreDataModule",
+]

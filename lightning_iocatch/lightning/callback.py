@@ -1,0 +1,436 @@
+"""IOCaptureCallback: capture named submodules in Lightning's validation, test and predict loops.
+
+Lightning's hooks decide when the catcher is armed; the capture itself is the engine's
+(:mod:`lightning_iocatch.capture.catcher`). Hooks exist only while an armed loop runs: they are
+registered when the loop starts and removed when it ends, raises, or the trainer tears
+down, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torchmetrics import Metric
+from typing_extensions import override
+
+from lightning_iocatch.capture.buffer import CaptureBuffer
+from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher
+from lightning_iocatch.capture.spec import CaptureSpec
+from lightning_iocatch.checks import (
+    check_bool,
+    check_int,
+    check_optional_bool,
+    parse_device,
+    parse_dtype,
+)
+from lightning_iocatch.errors import SpecError
+from lightning_iocatch.lightning.batch_indices import BatchIndexer
+from lightning_iocatch.lightning.feature_writer import FeatureWriter
+from lightning_iocatch.lightning.predict_route import (
+    PredictMember,
+    join_predict_route,
+    leave_predict_route,
+)
+from lightning_iocatch.lightning.probe_sink import ProbeSink
+from lightning_iocatch.lightning.process_group_exit import destroy_gloo_group_at_exit
+from lightning_iocatch.lightning.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
+from lightning_iocatch.store.tokens import TokenRows
+
+__all__ = ["IOCaptureCallback"]
+
+
+class IOCaptureCallback(Callback):
+    """Capture inputs and outputs of named submodules of the LightningModule.
+
+    Args:
+        spec: what to capture, e.g. ``"outputs[model.layers.5]"`` (see
+            :func:`~lightning_iocatch.parse_io_spec`). Names are those of
+            ``pl_module.named_modules()``: ``model.layers.0`` for ``self.model.layers[0]``.
+        stages: the loops to capture in: ``"validate"`` (``trainer.validate`` and the
+            validation loop of ``trainer.fit``), ``"test"``, ``"predict"``.
+        device: where captured tensors are copied; ``None`` leaves them where they are.
+        dtype: cast captured floating tensors, e.g. ``torch.float16`` or ``"float16"``.
+        early_exit: in predict, stop each forward as soon as everything in ``spec`` has
+            been captured; ``trainer.predict`` then returns one capture dict per batch.
+            Validation and test forwards always run whole.
+        writer: a :class:`~lightning_iocatch.FeatureWriter`, or a directory for one, that
+            dumps the predict loop's captures to disk.
+        probes: validation/test probes from :mod:`lightning_iocatch.probes`, logged at the
+            end of each epoch as ``iocatch/{module}/{inputs|outputs}[/{path}]/{stat}``.
+        sinks: further consumers of each batch's captures (see :class:`CaptureSink`).
+        keep_in_memory: keep the latest run of each stage in :attr:`captures`; by
+            default only when there is no sink.
+        capture_sanity_check: also capture the sanity-check validation before fitting.
+        pinned_memory_bytes: cap of the pinned host memory that asynchronous CUDA-to-CPU
+            copies use (``0``: copy synchronously); see :class:`ModelIOCatcher`.
+
+    After a run, ``callback.captures[stage][dataloader_idx][name]["outputs"]`` holds one
+    entry per call (the reference buffer layout), and
+    ``callback.batch_indices[stage][dataloader_idx]`` the dataset indices of each batch.
+
+    Example:
+        >>> import lightning.pytorch as pl, torch
+        >>> from torch import nn
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> class Tiny(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        ...     def forward(self, x):
+        ...         return self.model(x)
+        ...     def predict_step(self, batch, batch_idx):
+        ...         return self(batch[0])
+        >>> loader = DataLoader(TensorDataset(torch.randn(10, 4)), batch_size=5)
+        >>> callback = IOCaptureCallback("outputs[model.1]", early_exit=True)
+        >>> trainer = pl.Trainer(callbacks=[callback], logger=False, enable_progress_bar=False,
+        ...                      enable_model_summary=False, accelerator="cpu")
+        >>> batches = trainer.predict(Tiny(), loader)
+        >>> [b["model.1"]["outputs"][0].shape for b in batches]
+        [torch.Size([5, 8]), torch.Size([5, 8])]
+        >>> callback.batch_indices["predict"][0]
+        [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)]
+    """
+
+    def __init__(
+        self,
+        spec: str,
+        *,
+        stages: Sequence[str] = ("validate", "predict"),
+        device: str | torch.device | None = "cpu",
+        dtype: str | torch.dtype | None = None,
+        early_exit: bool = False,
+        writer: FeatureWriter | str | os.PathLike[str] | None = None,
+        probes: Sequence[Metric] = (),
+        sinks: Sequence[CaptureSink] = (),
+        keep_in_memory: bool | None = None,
+        capture_sanity_check: bool = False,
+        pinned_memory_bytes: int = 256 << 20,
+    ) -> None:
+        if not isinstance(spec, str):
+            raise TypeError(
+                f"`spec` must be a spec string such as 'outputs[model.layers.0]', got "
+                f"{type(spec).__name__}"
+            )
+        self.spec = CaptureSpec.parse(spec)
+        if self.spec.is_empty:
+            raise SpecError(
+                f"`spec` {spec!r} selects no module; write e.g. 'outputs[model.layers.0]'"
+            )
+        if isinstance(stages, str):
+            stages = (stages,)
+        if not isinstance(stages, (list, tuple)):
+            raise TypeError(f"`stages` must be a list of stage names, got {type(stages).__name__}")
+        early_exit = check_bool("early_exit", early_exit)
+        unknown = [stage for stage in stages if stage not in STAGES]
+        if unknown or not stages:
+            raise ValueError(
+                f"`stages` must be a non-empty subset of {STAGES}, got {tuple(stages)!r}"
+            )
+        if early_exit and "predict" not in stages:
+            raise ValueError(
+                "`early_exit=True` applies to the predict loop only (validation and test steps "
+                "need the model's output), but `stages` has no 'predict': add it, or drop "
+                "`early_exit`"
+            )
+        if writer is not None:
+            if not isinstance(writer, (FeatureWriter, str, os.PathLike)):
+                raise TypeError(
+                    "`writer` must be a FeatureWriter or a directory path, got "
+                    f"{type(writer).__name__}"
+                )
+            writer = writer if isinstance(writer, FeatureWriter) else FeatureWriter(writer)
+            if "predict" not in stages:
+                raise ValueError(
+                    "`writer` dumps the predict loop, but `stages` has no 'predict': add it"
+                )
+            sinks = [writer, *sinks]
+        for argument, value in (("probes", probes), ("sinks", sinks)):
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(f"`{argument}` must be a list, got {type(value).__name__}")
+        self.probes = ProbeSink(probes) if probes else None
+        if self.probes is not None:
+            if not {"validate", "test"} & set(stages):
+                raise ValueError("`probes` run in validation or test, but `stages` has neither")
+            sinks = [*sinks, self.probes]
+        for sink in sinks:
+            if not isinstance(sink, CaptureSink):
+                raise TypeError(
+                    f"`sinks` must hold CaptureSink instances, got {type(sink).__name__}"
+                )
+        self.stages = tuple(dict.fromkeys(stages))
+        self.device = parse_device("device", device)
+        self.dtype = parse_dtype("dtype", dtype)
+        self.early_exit = early_exit
+        self.capture_sanity_check = check_bool("capture_sanity_check", capture_sanity_check)
+        keep_in_memory = check_optional_bool("keep_in_memory", keep_in_memory)
+        self.pinned_memory_bytes = check_int("pinned_memory_bytes", pinned_memory_bytes, minimum=0)
+        self._memory = (
+            MemorySink() if keep_in_memory or (keep_in_memory is None and not sinks) else None
+        )
+        self._sinks: list[CaptureSink] = [*sinks, *([self._memory] if self._memory else [])]
+        self._catcher: ModelIOCatcher | None = None
+        self._session: CaptureSession | None = None
+        self._stage: str | None = None
+        self._leave_route: Callable[[], None] | None = None
+        self._skip_step = False
+        self._indexer: BatchIndexer | None = None
+        self._token_rows = _token_rows(sinks)
+        _bind_writers(self, sinks)  # last: a callback refused above takes no writer with it
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(spec=self.spec.to_string(), stages=self.stages)
+
+    @property
+    def captures(self) -> dict[str, dict[int, CaptureBuffer]]:
+        """``captures[stage][dataloader_idx]``: the latest run of each stage, if kept in memory."""
+        return self._memory.captures if self._memory else {}
+
+    @property
+    def batch_indices(self) -> dict[str, dict[int, list[tuple[int, ...] | None]]]:
+        """``batch_indices[stage][dataloader_idx]``: dataset indices of each captured batch."""
+        return self._memory.indices if self._memory else {}
+
+    # Lightning hooks: each hands off to a private helper.
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        destroy_gloo_group_at_exit()  # sinks make collectives; see process_group_exit
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "validate" in self.stages:
+            self._catcher_for(pl_module).from_spec(self.spec)  # unknown names fail here
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking or self.capture_sanity_check:
+            self._start("validate", trainer, pl_module)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start("test", trainer, pl_module)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start("predict", trainer, pl_module)
+
+    @override
+    def on_predict_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._decide_skip(trainer, batch_idx, dataloader_idx)
+        self._select_tokens(batch)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_end("validate", trainer, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_end("test", trainer, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_end("predict", trainer, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_end("validate", trainer, pl_module)
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_end("test", trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end("validate", trainer, pl_module)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end("test", trainer, pl_module)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end("predict", trainer, pl_module)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._stopped_by(exception)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close()
+
+    # The work.
+
+    def _catcher_for(self, pl_module: pl.LightningModule) -> ModelIOCatcher:
+        if self._catcher is None or self._catcher.model is not pl_module:
+            self._catcher = ModelIOCatcher(
+                pl_module,
+                self.device,
+                dtype=self.dtype,
+                pinned_memory_bytes=self.pinned_memory_bytes,
+            )
+        return self._catcher
+
+    def _start(self, stage: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if stage not in self.stages:
+            return
+        self._close()  # a loop that never reached its end hook leaves nothing behind
+        catcher = self._catcher_for(pl_module)
+        early_exit = self.early_exit and stage == "predict"
+        session = catcher.from_spec(self.spec, early_exit=early_exit)
+        for sink in self._sinks:
+            sink.on_loop_start(trainer, pl_module, stage)
+        session.open()
+        self._session, self._stage = session, stage
+        self._indexer = BatchIndexer(stage)
+        if stage == "predict":
+            member = PredictMember(session, lambda: self._skip_step)
+            join_predict_route(pl_module, member)
+            self._leave_route = lambda: leave_predict_route(pl_module, member)
+
+    def _decide_skip(self, trainer: pl.Trainer, batch_idx: int, dataloader_idx: int) -> None:
+        self._skip_step = False
+        if self._stage != "predict" or self._indexer is None or not self._sinks:
+            return
+        indices = self._indexer(trainer, batch_idx, dataloader_idx)
+        self._skip_step = all(
+            sink.skip_batch("predict", dataloader_idx, indices) for sink in self._sinks
+        )
+
+    def _select_tokens(self, batch: Any) -> None:
+        """Give the catcher this predict batch's token selection (a writer's ``tokens``)."""
+        if self._token_rows is None or self._session is None or self._stage != "predict":
+            return
+        selection = None if self._skip_step else self._token_rows.select(batch)
+        self._session.catcher.select_tokens(selection)
+
+    def _batch_end(
+        self, stage: str, trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int
+    ) -> None:
+        if self._session is None or self._indexer is None or self._stage != stage:
+            return
+        captures = self._session.take()
+        tokens = self._session.catcher.transfer.tokens  # what this batch was captured with
+        self._session.catcher.select_tokens(None)
+        if self._skip_step:
+            return  # captured only because another callback needed the forward
+        indices = self._indexer(trainer, batch_idx, dataloader_idx)
+        repeated = self._indexer.repeated(batch_idx, dataloader_idx)
+        record = BatchCaptures(
+            stage, batch_idx, dataloader_idx, captures, indices, batch, repeated, tokens
+        )
+        for sink in self._sinks:
+            sink.on_batch(record)
+
+    def _epoch_end(self, stage: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stage == stage:
+            for sink in self._sinks:
+                sink.on_epoch_end(trainer, pl_module, stage)
+
+    def _end(self, stage: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stage != stage:
+            return
+        self._close()
+        for sink in self._sinks:
+            sink.on_loop_end(trainer, pl_module, stage)
+
+    def _stopped_by(self, exception: BaseException) -> None:
+        """Close and tell every sink, whatever fails on the way: Lightning then raises the
+        run's own ``exception`` and tears down; what failed here is reported as a warning."""
+        stage = self._stage
+        steps = [self._close]
+        if stage is not None:
+            steps += [partial(sink.on_exception, stage, exception) for sink in self._sinks]
+        for step in steps:
+            try:
+                step()
+            except Exception as error:  # each step runs, whatever the others do
+                warnings.warn(
+                    f"IOCaptureCallback: while the run stopped on {type(exception).__name__}, "
+                    f"{type(error).__name__}: {error}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def _close(self) -> None:
+        """Remove the hooks and restore ``predict_step``; safe to call at any time."""
+        session, self._session, self._stage = self._session, None, None
+        self._indexer = None
+        if self._catcher is not None:
+            self._catcher.select_tokens(None)
+        leave_route, self._leave_route = self._leave_route, None
+        self._skip_step = False
+        try:
+            if leave_route is not None:
+                leave_route()
+        finally:
+            if session is not None:
+                session.close()
+
+
+def _bind_writers(callback: IOCaptureCallback, sinks: Sequence[CaptureSink]) -> None:
+    """Make the callback's writers its own, or refuse before binding any of them."""
+    writers = [sink for sink in sinks if isinstance(sink, FeatureWriter)]
+    if len({id(writer) for writer in writers}) < len(writers):
+        raise ValueError(
+            "a FeatureWriter is given twice to one IOCaptureCallback (as `writer` and in "
+            "`sinks`, or twice in `sinks`): give it once"
+        )
+    for writer in writers:
+        writer.check_unbound()
+    for writer in writers:
+        writer.bind(callback, callback.spec.to_string())
+
+
+def _token_rows(sinks: Sequence[CaptureSink]) -> TokenRows | None:
+    """The ``tokens`` of the callback's writers: one capture serves them all, so they agree."""
+    writers = [sink for sink in sinks if isinstance(sink, FeatureWriter)]
+    found = {repr(writer.tokens.settings() if writer.tokens else None) for writer in writers}
+    if len(found) > 1:
+        raise ValueError(
+            "the writers of one IOCaptureCallback must have the same `tokens` (the callback "
+            "captures once for all of them); use one callback per kind of rows"
+        )
+    return writers[0].tokens if writers else None

@@ -1,0 +1,331 @@
+"""The store on object storage: a shard object, then its commit record object.
+
+Object stores (S3, GCS, Azure Blob, fsspec's ``memory://``) have no rename and no append,
+so the POSIX protocol of :mod:`lightning_iocatch.store.ledger` (temporary name, rename, an
+appended ledger line) cannot be used there. A store at a prefix holds::
+
+    store.json                          as on disk, written once (by rank 0, before any shard)
+    shard-r{rank:03d}-{seq:06d}.safetensors   as on disk
+    commits/r{rank:03d}-{seq:06d}.json        the commit record of that shard: exactly the
+                                              JSON a ledger line holds (with its record_crc32)
+
+The protocol, with every request made through the URL's fsspec filesystem:
+
+1. **Write the shard object completely.** It is uploaded as plain fsspec writes upload
+   (for S3: one PUT, or a multipart upload for a shard over s3fs's block size, so it
+   appears whole or not at all); on any failure the upload is discarded.
+2. **Then write its commit record**, one small object in one request (a PUT is atomic on
+   S3, GCS and Azure). The commit record is the commit point: a shard object without one
+   does not exist. It names the shard, its size and CRC-32, its batches and keys.
+3. **Readers list** ``commits/`` and never count a shard without a commit record. A commit
+   record whose shard object is missing or of another size is damage, an error naming both.
+4. ``mode="resume"`` deletes the shard objects without a commit record (debris of a killed
+   run) and continues each rank at the sequence number after its last commit;
+   ``mode="overwrite"`` deletes ``store.json``, every shard object and every commit record.
+   Both touch only the names above: any other object under the prefix is kept. Each object
+   is deleted by its exact name (never a glob), and the prefix is listed again afterwards:
+   an object still there is an error (S3 answers a batch delete without permission with
+   success).
+
+A store written on disk and copied to object storage (``aws s3 sync``) commits its shards
+with ledgers (``ledger-r000.jsonl``) instead; a store downloaded from object storage keeps
+its ``commits/`` folder. Both commit points are read wherever the store lives
+(:func:`read_commit_entries`, :func:`read_commit_files`): a shard named by either counts,
+and resume deletes neither.
+
+Not protected against: two runs writing one prefix at once, and an object store whose
+listing does not show an object written before it (S3 and GCS list strongly consistently).
+A multipart upload killed with its process is invisible, but the store keeps its parts
+until a lifecycle rule (``AbortIncompleteMultipartUpload``) removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+from lightning_iocatch.errors import StoreError
+from lightning_iocatch.store.backends.location import (
+    ObjectLocation,
+    StoreLocation,
+    is_missing_bucket,
+    is_remote_failure,
+    remote_error,
+    remote_request,
+)
+from lightning_iocatch.store.ledger import LedgerEntry, scan_ledger
+from lightning_iocatch.store.names import (
+    STORE_FILE,
+    check_store_json,
+    ledger_rank,
+    read_store_json,
+    shard_name,
+    shard_rank_and_seq,
+)
+from lightning_iocatch.store.records import ShardRecord, format_version
+
+__all__ = [
+    "COMMITS",
+    "commit_name",
+    "commit_rank_and_seq",
+    "commit_shard",
+    "delete_objects",
+    "is_own_object",
+    "list_objects",
+    "read_commit_entries",
+    "read_commit_files",
+    "read_object",
+    "read_store_info",
+    "write_object",
+    "write_shard_object",
+]
+
+COMMITS = "commits"
+_COMMIT = re.compile(r"commits/r([0-9]{3,})-([0-9]{6,})\.json", re.ASCII)
+T = TypeVar("T")
+
+
+def commit_name(rank: int, seq: int) -> str:
+    """The name of the commit record of a rank's ``seq``-th shard."""
+    return f"{COMMITS}/r{rank:03d}-{seq:06d}.json"
+
+
+def commit_rank_and_seq(name: str) -> tuple[int, int] | None:
+    """``(rank, seq)`` of a commit record's name, else ``None``."""
+    match = _COMMIT.fullmatch(name)
+    if match is None:
+        return None
+    rank, seq = int(match.group(1)), int(match.group(2))
+    return (rank, seq) if commit_name(rank, seq) == name else None
+
+
+def is_own_object(name: str) -> bool:
+    """True for every name a store writes on object storage (relative to its prefix)."""
+    return (
+        name == STORE_FILE
+        or shard_rank_and_seq(name.removesuffix(".tmp")) is not None
+        or commit_rank_and_seq(name) is not None
+        or ledger_rank(name) is not None
+    )
+
+
+# Requests
+
+
+def list_objects(location: ObjectLocation) -> dict[str, int]:
+    """Every object under the store's prefix: name relative to it -> size in bytes."""
+    fs = location.fs
+    with remote_request("list", location.url):
+        fs.invalidate_cache(location.root)  # another process may have written since
+        found = fs.find(location.root, detail=True)
+    prefix = location.root + "/"
+    return {
+        name: int(info.get("size") or 0)
+        for path, info in dict(found).items()
+        if path.startswith(prefix)
+        and info.get("type", "file") == "file"
+        and not _is_folder_marker(name := path[len(prefix) :], info)
+    }
+
+
+def _is_folder_marker(name: str, info: dict[str, Any]) -> bool:
+    """The empty object named ``folder/`` that the S3 console makes for a folder (or the
+    prefix's own, listed as ``""``): it is no object of a store, nor anyone's data."""
+    return (not name or name.endswith("/")) and not int(info.get("size") or 0)
+
+
+def read_object(location: ObjectLocation, name: str) -> bytes:
+    """The bytes of the store's object ``name``."""
+    with remote_request("read", location.url_of(name)):
+        data: bytes = location.fs.cat_file(location.path(name))
+    return data
+
+
+def write_object(location: ObjectLocation, name: str, data: bytes) -> None:
+    """Write the store's small object ``name`` in one request."""
+    with remote_request("write", location.url_of(name)):
+        location.fs.pipe_file(location.path(name), data)
+
+
+def delete_objects(location: ObjectLocation, names: Iterable[str]) -> None:
+    """Delete the store's own objects ``names``, then list the prefix to see them gone.
+
+    Each object is deleted by its exact path (``rm_file``: never ``rm``, which expands the
+    glob characters a prefix may hold), 16 requests at a time. A delete that fails quietly
+    (S3's batch delete answers 200 and a per-key AccessDenied, which s3fs ignores) leaves
+    the object listed: that raises a :class:`StoreError` naming what is left.
+    """
+    wanted = sorted({name for name in names if is_own_object(name)})
+    if not wanted:
+        return
+    fs = location.fs
+
+    def delete(name: str) -> None:
+        gone = contextlib.suppress(FileNotFoundError)  # already gone: as asked
+        with remote_request("delete", location.url_of(name)), gone:
+            fs.rm_file(location.path(name))
+
+    with ThreadPoolExecutor(min(16, len(wanted))) as pool:
+        list(pool.map(delete, wanted))  # the first failure is raised here
+    left = [name for name in wanted if name in list_objects(location)]
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        raise StoreError(
+            f"objects of the store {location.url} are still there after the filesystem "
+            f"reported them deleted: {shown}; the likely cause is a missing s3:DeleteObject "
+            "permission (S3 answers a denied batch delete with success): grant it, or "
+            "delete them yourself, and run again"
+        )
+
+
+def write_shard_object(location: ObjectLocation, name: str, write: Callable[[IO[bytes]], T]) -> T:
+    """Upload the shard object ``name`` with ``write(handle)``, as plain fsspec writes do.
+
+    The upload is completed when the handle closes (for S3, one PUT, or a multipart upload
+    for shards over the filesystem's block size); on any failure, ``write`` raising
+    included, it is discarded instead (for S3: the multipart upload is aborted, and the
+    handle is marked closed so that nothing completes it later) and the error is raised,
+    an ``OSError`` as a :class:`StoreError` naming the object. A filesystem that shows an
+    object while it is written (``memory://``) leaves one without a commit record, which
+    counts for nothing and which resume deletes.
+    """
+    from fsspec.spec import AbstractBufferedFile
+
+    with remote_request("write", location.url_of(name)):
+        handle = location.fs.open(location.path(name), "wb")
+    try:
+        result = write(handle)
+        handle.close()
+    except BaseException as error:
+        with contextlib.suppress(Exception):
+            handle.discard()
+        if isinstance(handle, AbstractBufferedFile):
+            handle.closed = True  # never flushed nor completed by ``close`` or ``__del__``
+        if isinstance(error, Exception) and is_remote_failure(error):
+            raise remote_error("write", location.url_of(name), error) from error
+        raise
+    return result
+
+
+def commit_shard(location: ObjectLocation, record: ShardRecord) -> None:
+    """Write the commit record of ``record``'s shard: the shard counts from here on."""
+    named = shard_rank_and_seq(record.file)
+    if named is None:
+        raise StoreError(f"{record.file!r} is not a shard name")
+    write_object(location, commit_name(*named), (record.to_json() + "\n").encode("ascii"))
+
+
+# Reading what is committed
+
+
+def read_store_info(location: StoreLocation) -> dict[str, Any]:
+    """The store's ``store.json`` (on disk or on object storage), checked."""
+    if isinstance(location, Path):
+        return read_store_json(location)
+    where = location.url_of(STORE_FILE)
+    try:
+        raw = location.fs.cat_file(location.path(STORE_FILE))
+    except FileNotFoundError as error:
+        if is_missing_bucket(error):
+            raise remote_error("read", where, error) from error
+        raise StoreError(
+            f"{location.url} is not a feature store: it has no {STORE_FILE} (stores are "
+            "written by lightning_iocatch.FeatureWriter)"
+        ) from error
+    except Exception as error:
+        if not is_remote_failure(error):
+            raise
+        raise remote_error("read", where, error) from error
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as error:
+        raise StoreError(f"cannot read {where}: {error}") from error
+    return check_store_json(data, where)
+
+
+def read_commit_entries(
+    location: ObjectLocation, listing: dict[str, int], *, store_format: str
+) -> list[LedgerEntry]:
+    """The record of every committed shard, by rank then sequence number: its commit record,
+    or its line in a ledger object (a store written on disk and copied here).
+
+    ``listing`` is :func:`list_objects`' answer, ``store_format`` that of ``store.json``
+    (ledger lines of format ``/1`` carry no checksum); every object is fetched by its exact
+    name, concurrently where the filesystem can. Damage raises a :class:`StoreError`
+    naming the object (and the ledger line).
+    """
+    commits = sorted((n, name) for name in listing if (n := commit_rank_and_seq(name)) is not None)
+    ledgers = sorted(name for name in listing if ledger_rank(name) is not None)
+    names = [name for _, name in commits] + ledgers
+    if not names:
+        return []
+    paths = [location.path(name) for name in names]
+    with remote_request("read commit records in", location.url):
+        fetched = location.fs.cat_ranges(
+            paths, [None] * len(paths), [None] * len(paths), on_error="return"
+        )
+    for name, data in zip(names, fetched, strict=True):
+        if not isinstance(data, bytes):
+            failure = data if isinstance(data, BaseException) else OSError(repr(data))
+            raise remote_error("read", location.url_of(name), failure)
+    version = format_version(store_format)
+    entries = [
+        _commit_entry(location.url_of(name), named, data, version)
+        for (named, name), data in zip(commits, fetched[: len(commits)], strict=True)
+    ]
+    for name, data in zip(ledgers, fetched[len(commits) :], strict=True):
+        path = Path(location.path(name))  # the scan names it in messages: give the URL
+        try:
+            scanned = scan_ledger(path, data, version=version).entries
+        except StoreError as error:
+            raise StoreError(str(error).replace(str(path), location.url_of(name), 1)) from error
+        entries += [LedgerEntry(location.url_of(name), e.line, e.record) for e in scanned]
+    return sorted(entries, key=lambda entry: entry.commit_order)
+
+
+def read_commit_files(root: Path, *, store_format: str) -> list[LedgerEntry]:
+    """The commit records in ``root/commits`` of a local store (one written on object
+    storage and downloaded), by rank then sequence number; other files there are ignored."""
+    folder = root / COMMITS
+    if folder.is_symlink():
+        raise StoreError(
+            f"{folder} is a symbolic link; a feature store reads only its own files inside "
+            "its directory"
+        )
+    if not folder.is_dir():
+        return []
+    found = sorted(
+        (named, name)
+        for name in os.listdir(folder)
+        if (named := commit_rank_and_seq(f"{COMMITS}/{name}")) is not None
+    )
+    entries = []
+    for named, name in found:
+        path = folder / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as handle:
+                data = handle.read()
+        except OSError as error:
+            raise StoreError(f"cannot read commit record {path}: {error}") from error
+        entries.append(_commit_entry(str(path), named, data, format_version(store_format)))
+    return entries
+
+
+def _commit_entry(where: str, named: tuple[int, int], data: bytes, version: int) -> LedgerEntry:
+    """The commit record ``data`` of the ``named`` shard, read at ``where``, once valid."""
+    try:
+        record = ShardRecord.from_json(data.decode("utf-8"), version=version)
+    except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
+        raise StoreError(f"commit record {where} is damaged: {error}") from error
+    if record.file != shard_name(*named):
+        raise StoreError(
+            f"commit record {where} is damaged: it records {record.file}, not {shard_name(*named)}"
+        )
+    return LedgerEntry(where, 0, record)

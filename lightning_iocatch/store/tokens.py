@@ -1,0 +1,317 @@
+"""Token rows: one stored row per selected token of a sequence batch, or one per sample.
+
+A language model's activations come as ``(batch, seq, ...)`` tensors, padding included.
+:class:`TokenRows` says which tokens of a batch are kept: by default those where the
+batch's ``attention_mask`` is 1 (or a ``mask(batch)`` function of your own), without the
+first position (``drop_first``, the BOS token) and without tokens whose id is in
+``drop_token_ids`` (special tokens). For each batch, :meth:`TokenRows.select` computes a
+:class:`TokenSelection` on the batch's device; the catcher applies it to every captured
+tensor whose first two dimensions are the batch's ``(batch, seq)``, *on the capture's
+device, before the copy to the host*, so a GPU never copies padding:
+
+- ``reduce=None``: ``(batch, seq, ...)`` becomes ``(tokens, ...)``, the selected tokens in
+  (sample, position) order. Each row's coordinates are its sample's dataset index, its
+  position in the sequence (:data:`~lightning_iocatch.store.names.POSITION_KEY`) and its
+  token id (:data:`~lightning_iocatch.store.names.TOKEN_ID_KEY`, where the batch has
+  ``input_ids`` or ``token_ids(batch)`` is given).
+- ``reduce="mean" | "first" | "last"``: floating ``(batch, seq, ...)`` tensors become
+  ``(batch, ...)``: the mean over the selected tokens, or the first or last selected token
+  (with its position and token id as coordinates). Means are computed in float32 at
+  least (float64 stays float64). A sample with no selected token gets NaN values and
+  position and token id -1. Other tensors are kept as they are.
+
+Tensors of other shapes (a pooled ``(batch, d)`` output, decoding steps of
+``generate()`` with another sequence length, rotary tables ``(1, seq, d)`` in batches of
+more than one sample) are not selected; the rule is the shape, so a rotary table in a
+batch of one sample is. A sequence-first layout ``(seq, batch, ...)`` is not recognised.
+The selection's own index tensors are moved here (once per batch, a few bytes per
+token); captured values are copied by :mod:`lightning_iocatch.capture.transfer` as ever.
+
+Example (a plain loop; :class:`~lightning_iocatch.FeatureWriter` does this for you):
+    >>> from torch import nn
+    >>> from lightning_iocatch.capture.catcher import ModelIOCatcher
+    >>> embed = nn.Embedding(10, 2)
+    >>> batch = {"input_ids": torch.tensor([[1, 5, 6], [1, 7, 0]]),
+    ...          "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    >>> selection = TokenRows(drop_first=True).select(batch)
+    >>> catcher = ModelIOCatcher(embed, "cpu")
+    >>> with catcher(outputs=[""]) as buf:
+    ...     catcher.select_tokens(selection)
+    ...     _ = embed(batch["input_ids"])
+    >>> buf[""]["outputs"][0].shape  # 3 tokens: (0, 1), (0, 2), (1, 1)
+    torch.Size([3, 2])
+    >>> selection.sample.tolist(), selection.position.tolist(), selection.token_id.tolist()
+    ([0, 0, 1], [1, 2, 1], [5, 6, 7])
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import operator
+import types
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["REDUCTIONS", "Reduce", "TokenRows", "TokenSelection"]
+
+Reduce = Literal["mean", "first", "last"]
+REDUCTIONS = ("mean", "first", "last")
+
+
+def _function_name(fn: Callable[..., Any] | None, default: str) -> str:
+    """How a store records a selection function (a resume must give the same): its name;
+    a lambda also by a digest of its own code; a ``functools.partial`` by its function
+    and arguments; a callable object by its type."""
+    if fn is None:
+        return default
+    if isinstance(fn, functools.partial):
+        return f"partial({_function_name(fn.func, '')}, *{fn.args!r}, **{fn.keywords!r})"
+    if not hasattr(fn, "__qualname__"):
+        fn = type(fn)
+    name = f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
+    code = getattr(fn, "__code__", None)
+    if "<lambda>" in name and code is not None:  # every lambda has that name
+        return f"{name} {_code_digest(code)}"
+    return name
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """What a function does, not where it is written (line numbers and file left out)."""
+    parts = [code.co_code, repr(code.co_names).encode(), repr(code.co_varnames).encode()]
+    for constant in code.co_consts:
+        parts.append(
+            _code_digest(constant).encode()
+            if isinstance(constant, types.CodeType)
+            else repr(constant).encode()
+        )
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """Which tokens of a sequence batch become rows (see the module docstring).
+
+    Args:
+        mask: ``mask(batch) -> (batch, seq)`` tensor, true for the tokens to keep; default:
+            ``batch["attention_mask"]`` (the batch must then be a mapping holding it).
+        token_ids: ``token_ids(batch) -> (batch, seq)`` integer tensor recorded with each
+            row; default: ``batch["input_ids"]`` where the batch is a mapping holding it.
+        drop_first: drop each sequence's first real token (BOS): where the batch's
+            ``attention_mask`` is first 1 (position 0 without left padding), or, in a batch
+            without ``attention_mask``, the first token ``mask`` selects. Positions count
+            from the same first real token.
+        drop_token_ids: drop tokens with these ids (special tokens); needs token ids.
+        reduce: ``None`` for one row per token; ``"mean"``, ``"first"`` or ``"last"`` for
+            one row per sample.
+    """
+
+    mask: Callable[[Any], torch.Tensor] | None = None
+    token_ids: Callable[[Any], torch.Tensor] | None = None
+    drop_first: bool = False
+    drop_token_ids: Iterable[int] = ()
+    reduce: Reduce | None = None
+    _drop: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("mask", "token_ids"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"`{name}` must be a function of the batch, got {type(value).__name__}"
+                )
+        if not isinstance(self.drop_first, bool):
+            raise TypeError(f"`drop_first` must be True or False, got {self.drop_first!r}")
+        if isinstance(self.drop_token_ids, (str, bytes)) or not isinstance(
+            self.drop_token_ids, Iterable
+        ):
+            raise TypeError(f"`drop_token_ids` must be a set of ints, got {self.drop_token_ids!r}")
+        given = list(self.drop_token_ids)  # read once: it may be a generator
+        try:
+            if any(isinstance(i, bool) for i in given):
+                raise TypeError
+            drop = tuple(sorted({operator.index(i) for i in given}))
+        except TypeError:
+            raise TypeError(f"`drop_token_ids` must hold ints, got {given!r}") from None
+        object.__setattr__(self, "_drop", drop)
+        if self.reduce is not None and self.reduce not in REDUCTIONS:
+            raise ValueError(f"`reduce` must be None or one of {REDUCTIONS}, got {self.reduce!r}")
+
+    def settings(self) -> dict[str, Any]:
+        """What a store records of this selection (a resume must use the same)."""
+        return {
+            "mask": _function_name(self.mask, "attention_mask"),
+            "token_ids": _function_name(self.token_ids, "input_ids"),
+            "drop_first": self.drop_first,
+            "drop_token_ids": list(self._drop),
+            "reduce": self.reduce,
+        }
+
+    def select(self, batch: Any) -> TokenSelection:
+        """The tokens of ``batch`` to keep, computed on the batch's device.
+
+        Raises:
+            ValueError: the batch has no mask or token ids where they are needed, or they
+                are not ``(batch, seq)`` tensors of one shape.
+        """
+        mask = self._mask(batch)
+        ids = self._token_ids(batch, needed=bool(self._drop))
+        if ids is not None and tuple(ids.shape) != tuple(mask.shape):
+            raise ValueError(
+                f"TokenRows: the token ids have shape {tuple(ids.shape)}, the mask "
+                f"{tuple(mask.shape)}; they must be the same (batch, seq)"
+            )
+        ids = None if ids is None else ids.to(mask.device)
+        start = self._first_real_token(batch, mask)
+        keep = mask.clone()
+        if self.drop_first and keep.shape[1]:
+            keep &= torch.arange(keep.shape[1], device=keep.device)[None] != start[:, None]
+        if ids is not None and self._drop:
+            keep &= ~torch.isin(ids, torch.tensor(self._drop, device=ids.device))
+        return TokenSelection(keep, ids, self.reduce, start)
+
+    @staticmethod
+    def _first_real_token(batch: Any, mask: torch.Tensor) -> torch.Tensor:
+        """Per sample, the column of its first token that is not padding: where the batch's
+        ``attention_mask`` is first 1 (left padding), or, in a batch without one, where the
+        selection ``mask`` is first true (0 for a sample with none)."""
+        if not mask.shape[1]:
+            return torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
+        padding = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if not isinstance(padding, torch.Tensor) or tuple(padding.shape) != tuple(mask.shape):
+            padding = mask
+        return (padding.to(mask.device) != 0).int().argmax(1)
+
+    def _mask(self, batch: Any) -> torch.Tensor:
+        if self.mask is not None:
+            mask = self.mask(batch)
+            where = "`mask(batch)`"
+        elif isinstance(batch, Mapping) and "attention_mask" in batch:
+            mask, where = batch["attention_mask"], "batch['attention_mask']"
+        else:
+            raise ValueError(
+                "TokenRows selects tokens by the batch's 'attention_mask', but the batch is "
+                f"a {type(batch).__name__} without one; pass `mask=` a function of the batch, "
+                "e.g. TokenRows(mask=lambda batch: batch[1] == 1), or "
+                "mask=lambda batch: torch.ones_like(batch['input_ids'], dtype=torch.bool) "
+                "to keep every token"
+            )
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            shown = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"TokenRows: {where} must be a (batch, seq) tensor, got {shown}")
+        if mask.dtype != torch.bool:
+            if mask.is_floating_point() or mask.is_complex():
+                raise ValueError(f"TokenRows: {where} must be bool or integer, got {mask.dtype}")
+            mask = mask != 0
+        return mask
+
+    def _token_ids(self, batch: Any, *, needed: bool) -> torch.Tensor | None:
+        if self.token_ids is not None:
+            ids = self.token_ids(batch)
+        elif isinstance(batch, Mapping) and "input_ids" in batch:
+            ids = batch["input_ids"]
+        elif needed:
+            raise ValueError(
+                "TokenRows(drop_token_ids=...) needs the token ids: the batch has no "
+                "'input_ids'; pass `token_ids=` a function of the batch"
+            )
+        else:
+            return None
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+            raise ValueError(
+                f"TokenRows: the token ids must be a (batch, seq) integer tensor, got {ids!r:.80}"
+            )
+        return ids
+
+
+class TokenSelection:
+    """One batch's selected tokens: applied to captured tensors, with each row's coordinates.
+
+    Attributes (on the CPU, one entry per row):
+        sample: the row's position in the batch (``reduce=None``), or ``arange(batch)``.
+        position: the token's position in its sequence, left padding not counted (``None``
+            for ``reduce="mean"``; -1 for a sample without a selected token).
+        token_id: the token's id (``None`` without token ids or for ``reduce="mean"``).
+    """
+
+    def __init__(
+        self,
+        keep: torch.Tensor,
+        ids: torch.Tensor | None,
+        reduce: Reduce | None,
+        start: torch.Tensor | None = None,
+    ) -> None:
+        self.reduce = reduce
+        self.shape = tuple(keep.shape)
+        self._keep = keep
+        self._selected: dict[int, torch.Tensor] = {}  # by id; held, so ids stay theirs
+        self._on_device: dict[tuple[torch.device, int], torch.Tensor] = {}
+        batch, seq = self.shape
+        start = torch.zeros(batch, dtype=torch.int64) if start is None else start.cpu()
+        self.position: torch.Tensor | None = None
+        self.token_id: torch.Tensor | None = None
+        if reduce is None:
+            self._where = keep.flatten().nonzero().squeeze(1)  # one device sync per batch
+            flat = self._where.cpu()
+            self.sample = flat // seq if seq else flat
+            self.position = flat % seq - start[self.sample] if seq else flat
+            self.token_id = None if ids is None else ids.flatten()[self._where].cpu()
+            return
+        self.sample = torch.arange(batch)
+        self._count = keep.sum(1)
+        if reduce == "mean" or not seq:
+            return
+        order = torch.arange(seq, device=keep.device)
+        scores = torch.where(keep, order if reduce == "last" else seq - order, -1)
+        self._where = scores.argmax(1)
+        empty = (self._count == 0).cpu()
+        self.position = torch.where(empty, -1, self._where.cpu() - start)
+        if ids is not None:
+            picked = ids.gather(1, self._where[:, None]).squeeze(1).cpu()
+            self.token_id = torch.where(empty, -1, picked)
+
+    def __len__(self) -> int:
+        """The number of rows each selected tensor gets."""
+        return int(self.sample.numel())
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """``tensor``'s selected rows (on its device), or ``None`` where it is not selected."""
+        if tensor.dim() < 2 or tuple(tensor.shape[:2]) != self.shape:
+            return None
+        tensor = tensor.detach()
+        if self.reduce is None:
+            return tensor.flatten(0, 1).index_select(0, self._on(tensor.device, self._where))
+        if not tensor.is_floating_point():
+            return None
+        if not self.shape[1]:  # no token at all: every sample is empty
+            return tensor.new_full((self.shape[0], *tensor.shape[2:]), torch.nan)
+        keep = self._on(tensor.device, self._keep)
+        count = self._on(tensor.device, self._count)
+        trailing = (1,) * (tensor.dim() - 2)
+        if self.reduce == "mean":
+            wide = tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+            total = torch.where(keep.view(*self.shape, *trailing), wide, 0).sum(1)
+            return total / count.view(-1, *trailing).to(total.dtype)  # 0 / 0: NaN
+        where = self._on(tensor.device, self._where)
+        index = where.view(-1, 1, *trailing).expand(-1, 1, *tensor.shape[2:])
+        picked = tensor.gather(1, index).squeeze(1)
+        return torch.where((count == 0).view(-1, *trailing), torch.nan, picked)
+
+    def _on(self, device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device == device:
+            return tensor
+        key = (device, id(tensor))  # tensors this selection holds for its whole life
+        if key not in self._on_device:
+            self._on_device[key] = tensor.to(device)
+        return self._on_device[key]
+
+    def mark(self, copy: torch.Tensor) -> None:
+        """Record ``copy`` as the captured copy of a selected tensor."""
+        self._selected[id(copy)] = copy
+
+    def is_selected(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the captured copy of a selected tensor."""
+        return self._selected.get(id(tensor)) is tensor

@@ -1,0 +1,379 @@
+"""ShardWriter: write batches of captured tensors into a feature store, each sample once.
+
+The Trainer-free core of :class:`~lightning_iocatch.FeatureWriter`; nothing here imports
+Lightning. The caller passes its rank and the :class:`~lightning_iocatch.store.plan.StorePlan`
+that one process made with :func:`~lightning_iocatch.store.plan.prepare_store`. Which rows
+and keys are written is :mod:`lightning_iocatch.store.exactly_once`'s decision; the files are
+:mod:`lightning_iocatch.store.names`' and :mod:`lightning_iocatch.store.ledger`'s format.
+
+The writer's own rules:
+
+- **Memory.** The writer holds at most one shard (``max_shard_bytes`` plus the batch that
+  fills it) and ``queue_size + 1`` more batches (those queued and the one being handed
+  over). A shard is written straight from the tensors, with no serialized copy.
+- **Failures.** The writer thread catches every exception and hands it to the calling
+  thread, which raises it as a :class:`~lightning_iocatch.StoreError` at its next call;
+  :meth:`ShardWriter.abort` drops what is not committed and stops within one chunk write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import sys
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from lightning_iocatch.errors import StoreError
+from lightning_iocatch.store.backends.location import ObjectLocation, resolve_location
+from lightning_iocatch.store.backends.objects import commit_shard, write_shard_object
+from lightning_iocatch.store.exactly_once import RowSelector, SelectedBatch
+from lightning_iocatch.store.ledger import append_ledger
+from lightning_iocatch.store.names import (
+    FORMAT,
+    INDEX_KEY,
+    fsync_dir,
+    ledger_name,
+    open_own_file,
+    shard_name,
+)
+from lightning_iocatch.store.plan import StorePlan
+from lightning_iocatch.store.records import ShardRecord
+from lightning_iocatch.store.shard_file import dtype_name, write_safetensors
+from lightning_iocatch.store.tokens import TokenSelection
+
+__all__ = ["ShardWriter"]
+
+_CHUNK = 16 << 20  # bytes written (and checksummed) between two looks at a cancellation
+_STOP = object()
+
+
+class _Cancelled(Exception):
+    """The writer was aborted while a shard was being written (caught by the writer thread)."""
+
+
+def _serialize(
+    handle: IO[bytes], batches: list[SelectedBatch], rank: int, cancelled: threading.Event
+) -> tuple[int, int]:
+    """Write a shard of ``batches`` (tensors ``b{position}/{key}``); return its CRC-32 and size.
+
+    Raises :class:`_Cancelled` between two chunks once ``cancelled`` is set.
+    """
+
+    def stop_if_cancelled() -> None:
+        if cancelled.is_set():
+            raise _Cancelled
+
+    tensors = {
+        f"b{position}/{key}": tensor
+        for position, batch in enumerate(batches)
+        for key, tensor in batch.tensors.items()
+    }
+    metadata = {"format": FORMAT, "rank": str(rank)}
+    return write_safetensors(
+        handle, tensors, metadata, chunk_bytes=_CHUNK, before_chunk=stop_if_cancelled
+    )
+
+
+def _shapes(batches: list[SelectedBatch]) -> dict[str, list[int] | None]:
+    """Per key: the shape of a row (of the whole tensor for per-batch keys); ``None`` where
+    batches differ."""
+    shapes: dict[str, set[tuple[int, ...]]] = {}
+    for batch in batches:
+        for key, tensor in batch.tensors.items():
+            if key != INDEX_KEY:
+                shape = tensor.shape if key in batch.per_batch else tensor.shape[1:]
+                shapes.setdefault(key, set()).add(tuple(shape))
+    return {key: list(next(iter(seen))) if len(seen) == 1 else None for key, seen in shapes.items()}
+
+
+class ShardWriter:
+    """Writes one process's batches into a store's shards and ledger, on a writer thread.
+
+    Args:
+        path: the store directory or fsspec URL (``s3://bucket/run``), prepared by
+            :func:`~lightning_iocatch.store.plan.prepare_store`.
+        rank: this process's rank (names its shards and ledger).
+        plan: what ``prepare_store`` returned (on any process).
+        max_shard_bytes: a shard is written once its batches hold this many bytes.
+        queue_size: batches waiting for the writer thread before :meth:`write` blocks.
+        durable: fsync each shard and the directory before its ledger line is written
+            (local stores; on object storage a completed upload is durable).
+        dtype: cast floating tensors to this dtype for storage.
+        storage_options: fsspec options for a URL ``path`` (credentials, endpoint).
+
+    The thread starts with the first batch. Call :meth:`close` at the end (it writes what
+    is queued and raises the thread's error, if any) or :meth:`abort` to stop at once.
+
+    Example:
+        >>> import tempfile
+        >>> from lightning_iocatch.store.plan import prepare_store
+        >>> path = Path(tempfile.mkdtemp()) / "store"
+        >>> plan = prepare_store(path, "create", {"spec": None, "stage": "predict", "dtype": None})
+        >>> writer = ShardWriter(path, rank=0, plan=plan)
+        >>> writer.write({"x": torch.ones(3, 2)}, indices=[0, 1, 2])
+        3
+        >>> writer.write({"x": torch.ones(2, 2)}, indices=[2, 3])  # index 2 is already written
+        1
+        >>> writer.close()
+        >>> writer.rows_written
+        4
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | ObjectLocation,
+        *,
+        rank: int,
+        plan: StorePlan,
+        max_shard_bytes: int = 256 << 20,
+        queue_size: int = 4,
+        durable: bool = True,
+        dtype: torch.dtype | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if sys.byteorder != "little":
+            raise StoreError("the feature store format is little-endian; this machine is not")
+        self.path = resolve_location(path, storage_options)
+        self.rank = rank
+        self.max_shard_bytes = max_shard_bytes
+        self.durable = durable
+        self.dtype = dtype
+        self._rows = RowSelector(plan, dtype)
+        self._next_seq = plan.next_seq.get(rank, 0)
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self._cancel = threading.Event()
+        self._done = threading.Event()  # set by the writer thread as its last act
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._error: BaseException | None = None
+        self.rows_written = 0
+        self.bytes_written = 0
+
+    # The calling thread
+
+    def has(self, dataloader_idx: int, indices: Sequence[int]) -> bool:
+        """True when every one of ``indices`` is committed or already written in this run."""
+        return self._rows.has(dataloader_idx, indices)
+
+    def write(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        indices: Sequence[int],
+        *,
+        dataloader_idx: int = 0,
+        batch_idx: int = 0,
+        repeated: Sequence[bool] | None = None,
+        required: Collection[str] = (),
+        tokens: TokenSelection | None = None,
+    ) -> int:
+        """Queue one batch: ``tensors`` by key, ``indices`` the dataset index of each sample.
+
+        ``repeated`` marks samples that are padding (not written); ``required`` names keys
+        that must have a row per sample. ``tokens``: the batch's token selection, when the
+        tensors were captured with one (``catcher.select_tokens``): its selected tensors are
+        stored one row per token, with their coordinates (``__position__`` and
+        ``__token_id__`` keys). Returns the number of rows that will be written (rows of
+        samples already committed or written are dropped). Blocks while the queue is full.
+
+        Raises:
+            StoreError: a tensor that cannot be stored (naming its key), an index that is
+                not a non-negative integer, or an earlier failure of the writer thread.
+        """
+        self._raise_error()
+        if self._closed:
+            raise StoreError(f"the writer of {self.path} is closed")
+        batch = self._rows.select(
+            tensors,
+            indices,
+            dataloader_idx=dataloader_idx,
+            batch_idx=batch_idx,
+            repeated=repeated,
+            required=required,
+            tokens=tokens,
+        )
+        if batch is None:
+            return 0
+        self._put(batch)
+        return batch.record.rows
+
+    def close(self) -> None:
+        """Write what is queued, wait for the writer thread, and raise its error if it failed.
+
+        Interrupted while waiting (Ctrl-C), it aborts instead.
+        """
+        try:
+            self._stop()
+        except BaseException:
+            self.abort()
+            raise
+        self._raise_error()
+
+    def abort(self) -> None:
+        """Stop now: queued batches are dropped and a shard being written is abandoned.
+
+        What is committed stays committed. Returns once the writer thread has ended (within
+        one chunk write or fsync); a failure of the thread is not raised.
+        """
+        self._cancel.set()
+        self._stop()
+
+    def _put(self, item: SelectedBatch) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"iocatch-writer-r{self.rank}", daemon=True
+            )
+            self._thread.start()
+        while True:  # wait for room, but notice when the writer thread failed meanwhile
+            self._raise_error()
+            if self._done.is_set():
+                raise StoreError(f"the writer thread of {self.path} has ended")
+            try:
+                self._queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def _stop(self) -> None:
+        self._closed = True
+        thread = self._thread
+        if thread is None:
+            return
+        while not self._done.is_set():
+            try:
+                self._queue.put(_STOP, timeout=0.05)
+                break
+            except queue.Full:
+                continue
+        # An Event, not Thread.join: a join interrupted by Ctrl-C can leave a live thread
+        # marked as stopped (CPython 3.11, bpo-45274), and the abort must still wait for it.
+        self._done.wait()
+        thread.join()
+        self._thread = None
+
+    def _raise_error(self) -> None:
+        error = self._error
+        if error is None:
+            return
+        if isinstance(error, StoreError):
+            raise error
+        raise StoreError(
+            f"the writer thread of {self.path} (rank {self.rank}) failed: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+
+    # The writer thread
+
+    def _run(self) -> None:
+        pending: list[SelectedBatch] = []
+        try:
+            size = 0
+            while True:
+                item = self._queue.get()
+                if item is _STOP:
+                    break
+                if self._cancel.is_set() or not isinstance(item, SelectedBatch):
+                    continue
+                if pending and self._dtype_changes(pending, item):
+                    self._write_shard(pending)
+                    pending, size = [], 0
+                pending.append(item)
+                size += item.nbytes
+                del item  # only ``pending`` holds the batch from here
+                if size >= self.max_shard_bytes:
+                    self._write_shard(pending)
+                    pending, size = [], 0
+            if pending and not self._cancel.is_set():
+                self._write_shard(pending)
+        except _Cancelled:
+            pass
+        except BaseException as error:  # handed to the calling thread by _raise_error
+            self._error = error
+        finally:
+            pending.clear()
+            with contextlib.suppress(queue.Empty):  # free what waits, release a blocked put
+                while True:
+                    self._queue.get_nowait()
+            self._done.set()
+
+    @staticmethod
+    def _dtype_changes(pending: list[SelectedBatch], item: SelectedBatch) -> bool:
+        """A key whose dtype differs from the pending batches': its shard must close first."""
+        dtypes = {key: tensor.dtype for batch in pending for key, tensor in batch.tensors.items()}
+        return any(dtypes.get(key, t.dtype) != t.dtype for key, t in item.tensors.items())
+
+    def _write_shard(self, batches: list[SelectedBatch]) -> None:
+        name = shard_name(self.rank, self._next_seq)
+        if isinstance(self.path, ObjectLocation):
+            location = self.path
+            crc, size = write_shard_object(
+                location, name, lambda handle: _serialize(handle, batches, self.rank, self._cancel)
+            )
+            commit_shard(location, _record(name, self.rank, crc, size, batches))
+        else:
+            crc, size = self._write_file(self.path, name, batches)
+            try:
+                append_ledger(
+                    self.path / ledger_name(self.rank),
+                    _record(name, self.rank, crc, size, batches),
+                )
+            except OSError as error:
+                raise StoreError(
+                    f"shard {self.path / name} was written but its ledger line could not be: "
+                    f"{error}"
+                ) from error
+        self._next_seq += 1
+        self.rows_written += sum(batch.record.rows for batch in batches)
+        self.bytes_written += size
+
+    def _write_file(self, root: Path, name: str, batches: list[SelectedBatch]) -> tuple[int, int]:
+        """POSIX: write to ``.tmp``, fsync, rename, fsync the directory; CRC-32 and size."""
+        tmp, final = root / (name + ".tmp"), root / name
+        created = False
+        try:
+            with open_own_file(root, tmp.name, "xb") as handle:
+                created = True
+                crc, size = _serialize(handle, batches, self.rank, self._cancel)
+                if self.durable:
+                    os.fsync(handle.fileno())
+            os.replace(tmp, final)
+            created = False
+            if self.durable:
+                fsync_dir(root)
+        except BaseException as error:
+            if created:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+            if isinstance(error, OSError):
+                raise StoreError(f"could not write shard {final}: {error}") from error
+            raise
+        return crc, size
+
+
+def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBatch]) -> ShardRecord:
+    """The ledger line (or commit record) of a shard of ``batches``."""
+    skipped: dict[str, str] = {}
+    for batch in batches:
+        for key, reason in batch.skipped.items():
+            skipped.setdefault(key, reason)
+    return ShardRecord(
+        file=name,
+        rank=rank,
+        bytes=size,
+        crc32=crc,
+        batches=tuple(batch.record for batch in batches),
+        keys={
+            key: dtype_name(tensor.dtype)
+            for batch in batches
+            for key, tensor in batch.tensors.items()
+            if key != INDEX_KEY
+        },
+        shapes=_shapes(batches),
+        per_batch=tuple(sorted(set().union(*(batch.per_batch for batch in batches)))),
+        skipped=skipped,
+    )

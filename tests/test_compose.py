@@ -106,7 +106,7 @@ def test_a_done_early_exit_session_copies_nothing_more_while_another_keeps_the_f
     done, other = ModelIOCatcher(model, "cpu"), ModelIOCatcher(model, "cpu")
     copies: list[int] = []
     transfer = done.transfer
-    done.transfer = lambda value: copies.append(1) or transfer(value)  # type: ignore[assignment]
+    done.transfer = lambda *args: copies.append(1) or transfer(*args)  # type: ignore[assignment]
     with (
         done.from_spec("outputs[block]", early_exit=True) as first,
         other.from_spec("outputs[head]"),

@@ -119,7 +119,7 @@ def test_copies_read_the_snapshot_not_the_models_tensor() -> None:
     ops = FakeCudaOps()
     transfer = CaptureTransfer(torch.device("cpu"), torch.float16, pinned_bytes=4096, ops=ops)
     live = torch.arange(6.0)
-    (copied,), pending = transfer((live,))
+    (copied,), pending, _ = transfer((live,))
     live.zero_()  # the model's next kernel, before the copy "runs"
     for staged in pending:
         staged.synchronize()
@@ -138,7 +138,7 @@ def test_a_full_ring_waits_only_for_the_oldest_copy_and_never_sleeps(monkeypatch
     transfer = CaptureTransfer(torch.device("cpu"), pinned_bytes=1024, ops=ops)  # 4 x 256
     kept = []  # a consumer that keeps every capture forever
     for i in range(20):
-        (value,), _ = transfer((torch.full((64,), float(i)),))  # 256 bytes each
+        (value,), _, _ = transfer((torch.full((64,), float(i)),))  # 256 bytes each
         kept.append(value)
         waited = [event.waited for event in ops.events]
         assert waited[: max(0, i - 3)] == [1] * max(0, i - 3)  # the oldest, once each
@@ -154,7 +154,7 @@ def test_a_tensor_larger_than_the_ring_is_copied_synchronously() -> None:
     ops = FakeCudaOps()
     transfer = CaptureTransfer(torch.device("cpu"), pinned_bytes=256, ops=ops)
     big = torch.arange(100.0)  # 400 bytes
-    (copied,), pending = transfer((big,))
+    (copied,), pending, _ = transfer((big,))
     assert pending == [] and ops.events == [] and torch.equal(copied, big)
     assert copied.data_ptr() != big.data_ptr()
     assert CaptureTransfer(torch.device("cpu"), pinned_bytes=0).host is None
@@ -212,7 +212,7 @@ def test_a_copy_that_fails_before_it_starts_gives_its_region_back() -> None:
     assert transfer.host is not None and transfer.host.ring.in_flight_bytes == 0
     kept = []
     for i in range(6):  # the ring must wrap past the failed region without waiting on it
-        (value,), pending = transfer((torch.full((64,), float(i)),))
+        (value,), pending, _ = transfer((torch.full((64,), float(i)),))
         kept.append((value, pending))
     for _, pending in kept:
         for staged in pending:
@@ -224,7 +224,7 @@ def test_tensors_that_are_not_dense_take_the_synchronous_path() -> None:
     ops = FakeCudaOps()
     transfer = CaptureTransfer(torch.device("cpu"), pinned_bytes=4096, ops=ops)
     sparse = torch.eye(4).to_sparse()
-    (copied,), pending = transfer((sparse,))
+    (copied,), pending, _ = transfer((sparse,))
     assert pending == [] and ops.events == [] and copied.is_sparse
     assert torch.equal(copied.to_dense(), torch.eye(4))
 

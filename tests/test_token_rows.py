@@ -270,10 +270,11 @@ def test_a_sample_in_two_commits_is_duplicated_and_read_once_from_the_first(
              "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}  # fmt: skip
     for rank, indices in ((0, [0, 1]), (1, [1, 2])):  # sample 1 on both ranks
         writer, selection = ShardWriter(tmp_path, rank=rank, plan=plan), tokens.select(batch)
-        hidden = selection.apply(torch.arange(18.0).view(2, 3, 3) + 100 * rank)
+        hidden = selection.capture(torch.arange(18.0).view(2, 3, 3) + 100 * rank)
         assert hidden is not None
-        selection.mark(hidden)
-        writer.write({"m/outputs": hidden}, indices=indices, tokens=selection)
+        writer.write(
+            {"m/outputs": hidden}, indices=indices, tokens=selection, token_keys={"m/outputs"}
+        )
         writer.close()
     with pytest.raises(StoreError, match=r"holds 1 dataset indices more than once, e\.g\. \[1\]"):
         FeatureStore(tmp_path)
@@ -398,7 +399,7 @@ def test_first_and_last_of_empty_sequences_are_nan() -> None:
     from lightning_iocatch.store.tokens import TokenSelection
 
     selection = TokenSelection(torch.ones(2, 0, dtype=torch.bool), None, "first")
-    out = selection.apply(torch.ones(2, 0, 3))
+    out = selection.capture(torch.ones(2, 0, 3))
     assert out is not None and out.shape == (2, 3) and bool(out.isnan().all())
 
 

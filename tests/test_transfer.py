@@ -66,7 +66,7 @@ def test_capture_transfer_on_cpu_is_synchronous_and_private() -> None:
     from lightning_iocatch.capture.transfer import CaptureTransfer
 
     live = torch.ones(3)
-    copied, events = CaptureTransfer(torch.device("cpu"), torch.float16)({"x": [live]})
-    assert events == [] and copied["x"][0].dtype == torch.float16
+    copied, events, changed = CaptureTransfer(torch.device("cpu"), torch.float16)({"x": [live]})
+    assert events == [] and changed == [] and copied["x"][0].dtype == torch.float16
     live += 1
     assert torch.equal(copied["x"][0], torch.ones(3, dtype=torch.float16))

@@ -7,19 +7,24 @@ completed: it waits in a private queue, and every way of reading the buffer (``[
 in the order they were captured. A list taken out of the buffer earlier therefore only
 ever holds complete values. The buffer is a read-only ``Mapping``; the lists inside it
 are plain lists.
+
+A buffer holds one batch's captures: it carries the batch's
+:class:`~lightning_iocatch.capture.transform.CaptureTransform` (``buf.transform``) and the
+flat keys of the values that transform changed (:meth:`CaptureBuffer.transformed_keys`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal, Protocol
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
+from lightning_iocatch.capture.keys import entry_prefix
 from lightning_iocatch.capture.spec import canonical_name, unknown_name_message
+from lightning_iocatch.capture.transform import CaptureTransform, Kind
 from lightning_iocatch.errors import UnknownModuleError
 
 __all__ = ["CaptureBuffer", "Kind", "Pending"]
 
-Kind = Literal["inputs", "outputs"]
 Entries = dict[str, list[Any]]
 
 
@@ -49,27 +54,68 @@ class CaptureBuffer(Mapping[str, Entries]):
         True
     """
 
-    def __init__(self, data: Mapping[str, Mapping[str, Iterable[Any]]] | None = None) -> None:
+    def __init__(
+        self,
+        data: Mapping[str, Mapping[str, Iterable[Any]]] | None = None,
+        transform: CaptureTransform | None = None,
+    ) -> None:
         self._data: dict[str, Entries] = {
             name: {kind: list(entries) for kind, entries in kinds.items()}
             for name, kinds in (data or {}).items()
         }
-        self._waiting: list[tuple[str, Kind, Any]] = []  # captured, copy not yet complete
+        self.transform = transform
+        # captured, copy not yet complete: (name, kind, value, paths the transform changed)
+        self._waiting: list[tuple[str, Kind, Any, frozenset[str]]] = []
         self._events: list[Pending] = []
+        self._transformed: dict[tuple[str, str, int], frozenset[str]] = {}
 
     @classmethod
-    def empty(cls, names: Iterable[str]) -> CaptureBuffer:
-        """A buffer with no entries yet for each of ``names``."""
-        return cls({name: {"inputs": [], "outputs": []} for name in names})
+    def empty(
+        cls, names: Iterable[str], transform: CaptureTransform | None = None
+    ) -> CaptureBuffer:
+        """A buffer with no entries yet for each of ``names``, captured with ``transform``."""
+        return cls({name: {"inputs": [], "outputs": []} for name in names}, transform)
 
-    def add(self, name: str, kind: Kind, value: Any, events: Iterable[Pending] = ()) -> None:
-        """Add a captured value; it becomes readable once every one of ``events`` completed."""
+    def add(
+        self,
+        name: str,
+        kind: Kind,
+        value: Any,
+        events: Iterable[Pending] = (),
+        transformed: Collection[str] = (),
+    ) -> None:
+        """Add a captured value; it becomes readable once every one of ``events`` completed.
+
+        ``transformed``: the paths inside ``value`` (``""`` for the value itself, ``"/0"``
+        for its first element, as in its flat keys) that the buffer's transform changed.
+        """
         events = list(events)
         if not events and not self._waiting:
-            self._data[name][kind].append(value)
+            self._append(name, kind, value, frozenset(transformed))
             return
         self._events.extend(events)
-        self._waiting.append((name, kind, value))
+        self._waiting.append((name, kind, value, frozenset(transformed)))
+
+    def _append(self, name: str, kind: Kind, value: Any, transformed: frozenset[str]) -> None:
+        entries = self._data[name][kind]
+        if transformed:
+            self._transformed[(name, kind, len(entries))] = transformed
+        entries.append(value)
+
+    def calls(self, name: str, kind: Kind) -> int:
+        """How many values of ``name``'s ``kind`` the buffer holds or waits for."""
+        waiting = sum(1 for n, k, _, _ in self._waiting if (n, k) == (name, kind))
+        return len(self._data[name][kind]) + waiting
+
+    def transformed_keys(self) -> set[str]:
+        """The flat keys (see :mod:`~lightning_iocatch.capture.keys`) of the tensors the
+        buffer's transform changed."""
+        self.settle()
+        return {
+            entry_prefix(name, kind, call) + path
+            for (name, kind, call), paths in self._transformed.items()
+            for path in paths
+        }
 
     def settle(self) -> None:
         """Wait for every asynchronous copy and make the values readable, in capture order."""
@@ -81,8 +127,8 @@ class CaptureBuffer(Mapping[str, Entries]):
         finally:  # one that raised stays, with all after it: their values stay unread
             del self._events[:done]
         waiting, self._waiting = self._waiting, []
-        for name, kind, value in waiting:
-            self._data[name][kind].append(value)
+        for name, kind, value, transformed in waiting:
+            self._append(name, kind, value, transformed)
 
     @property
     def settled(self) -> bool:
@@ -93,11 +139,11 @@ class CaptureBuffer(Mapping[str, Entries]):
         """Pickled (``torch.save``, ``copy.deepcopy``) once settled: the values, no copy in
         flight."""
         self.settle()
-        return {"_data": self._data}
+        return {"_data": self._data, "_transformed": self._transformed}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._data = state["_data"]
-        self._waiting, self._events = [], []
+        self._data, self._transformed = state["_data"], state["_transformed"]
+        self._waiting, self._events, self.transform = [], [], None
 
     def __getitem__(self, name: str) -> Entries:
         self.settle()
@@ -122,7 +168,9 @@ class CaptureBuffer(Mapping[str, Entries]):
     def copy(self) -> CaptureBuffer:
         """A settled copy: new containers, the same captured values."""
         self.settle()
-        return CaptureBuffer(self._data)
+        copied = CaptureBuffer(self._data, self.transform)
+        copied._transformed = dict(self._transformed)
+        return copied
 
     def __repr__(self) -> str:
         self.settle()

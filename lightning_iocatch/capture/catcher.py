@@ -1,8 +1,9 @@
 """ModelIOCatcher: capture the inputs and outputs of named submodules, with early exit.
 
-Hooks are global state on the model. This module is the only one that registers them,
-and it registers them only on the modules a session asks for, only while that session
-is open: a forward outside a session runs exactly as if the catcher did not exist.
+A catcher resolves names and globs against its model and opens one
+:class:`~lightning_iocatch.capture.session.CaptureSession` at a time, whose hooks exist
+only while it is open: a forward outside a session runs exactly as if the catcher did not
+exist.
 
 Several sessions may be open on one model at once (one per catcher, e.g. two
 ``IOCaptureCallback``s); they share the model's
@@ -13,16 +14,15 @@ may stop early.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from lightning_iocatch.capture.buffer import CaptureBuffer, Kind, Pending
-from lightning_iocatch.capture.compiled import prepare_for_hooks
+from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.coordinator import COORDINATOR, ForwardCoordinator
+from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.spec import (
     WRAPPER_COMPONENTS,
     CaptureSpec,
@@ -30,11 +30,17 @@ from lightning_iocatch.capture.spec import (
     resolve_names,
 )
 from lightning_iocatch.capture.transfer import CaptureTransfer
+from lightning_iocatch.capture.transform import CaptureTransform
 from lightning_iocatch.checks import check_bool, check_int, parse_device, parse_dtype
 from lightning_iocatch.errors import CaptureError
-from lightning_iocatch.store.tokens import TokenSelection
 
-__all__ = ["CaptureBuffer", "CaptureSession", "ForwardCoordinator", "ModelIOCatcher"]
+__all__ = [
+    "CaptureBuffer",
+    "CaptureSession",
+    "ForwardCoordinator",
+    "ModelIOCatcher",
+    "module_index",
+]
 
 
 def module_index(model: nn.Module) -> dict[str, nn.Module]:
@@ -53,134 +59,6 @@ def module_index(model: nn.Module) -> dict[str, nn.Module]:
     for name, module in model.named_modules():
         index[canonical_name(name)] = module
     return index
-
-
-class CaptureSession:
-    """One capture request on a :class:`ModelIOCatcher`; hooks exist only while it is open.
-
-    Use it as a context manager (``with catcher(outputs=[...]) as buf:``), or call
-    :meth:`open` and :meth:`close` in a ``try/finally`` yourself.
-    """
-
-    def __init__(
-        self,
-        catcher: ModelIOCatcher,
-        modules: dict[str, nn.Module],
-        inputs: list[str],
-        outputs: list[str],
-        early_exit: bool,
-    ) -> None:
-        self.catcher = catcher
-        self.modules = modules
-        self.inputs = inputs
-        self.outputs = outputs
-        self.early_exit = early_exit
-        self.buffer = CaptureBuffer.empty(dict.fromkeys([*inputs, *outputs]))
-        targets: list[tuple[str, Kind]] = [(n, "inputs") for n in inputs]
-        targets += [(n, "outputs") for n in outputs]
-        self._targets = frozenset(targets)
-        self._pending: set[tuple[str, Kind]] = set(self._targets)
-        self._handles: list[RemovableHandle] = []
-
-    @property
-    def root(self) -> nn.Module:
-        """The model of this session's catcher, under any wrapper."""
-        return self.catcher.root
-
-    @property
-    def is_open(self) -> bool:
-        """True while this session's hooks are registered."""
-        return self.catcher._session is self
-
-    @property
-    def done(self) -> bool:
-        """True once the current forward has given every capture this session asked for."""
-        return not self._pending
-
-    def open(self) -> CaptureBuffer:
-        """Register the hooks and return the buffer that fills while the session is open."""
-        if self.catcher._session is not None:
-            raise CaptureError(
-                "a capture session is already open on this catcher; close it before opening "
-                "another (one `with catcher(...)` at a time, or use a second ModelIOCatcher)"
-            )
-        prepare_for_hooks(self.catcher.model, self.modules)
-        self.catcher._session = self
-        self.catcher.coordinator.open(self)
-        self._pending = set(self._targets)
-        try:
-            for name in self.inputs:
-                hook = _input_hook(self, name)
-                self._handles.append(
-                    self.modules[name].register_forward_pre_hook(hook, with_kwargs=True)
-                )
-            for name in self.outputs:
-                hook = _output_hook(self, name)
-                self._handles.append(self.modules[name].register_forward_hook(hook))
-        except BaseException:
-            self.close()
-            raise
-        return self.buffer
-
-    def close(self) -> None:
-        """Remove every hook this session registered and wait for pending copies.
-
-        Safe to call more than once.
-        """
-        handles, self._handles = self._handles, []
-        for handle in handles:
-            handle.remove()
-        if self.catcher._session is self:
-            self.catcher._session = None
-        self.catcher.coordinator.close(self)
-        self.buffer.settle()
-
-    def take(self) -> CaptureBuffer:
-        """Return what was captured so far, settled, and continue into a fresh, empty buffer.
-
-        Example:
-            >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-            >>> session = ModelIOCatcher(net, "cpu")(outputs=["0"])
-            >>> with session:
-            ...     _ = net(torch.ones(1, 2))
-            ...     first = session.take()
-            ...     _ = net(torch.ones(1, 2))
-            >>> len(first["0"]["outputs"]), len(session.buffer["0"]["outputs"])
-            (1, 1)
-        """
-        taken = self.buffer
-        self.buffer = CaptureBuffer.empty(taken._data)
-        taken.settle()
-        return taken
-
-    def __enter__(self) -> CaptureBuffer:
-        return self.open()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _begin_forward(self) -> None:
-        self._pending = set(self._targets)
-
-    def _wants_call(self) -> bool:
-        """Whether a hook of this session captures the call now (before anything is copied)."""
-        if not self.early_exit:
-            return True
-        if not self.catcher.coordinator.in_forward:
-            raise CaptureError(
-                "this session has early_exit=True, so forwards must go through "
-                "`catcher.run(*args, **kwargs)` (or `catcher.call(fn, ...)`), which absorbs the "
-                "early-exit signal; the model was called directly"
-            )
-        # done: later calls in this forward are as if it had stopped, whoever goes on
-        return not self.done
-
-    def _record(self, name: str, kind: Kind, value: Any, events: Sequence[Pending]) -> None:
-        self.buffer.add(name, kind, value, events)
-        if self.early_exit:
-            self._pending.discard((name, kind))
-            if not self._pending:
-                self.catcher.coordinator.maybe_stop(self)
 
 
 def _names(argument: str, names: Any) -> list[str]:
@@ -204,38 +82,6 @@ def _unwrapped(model: nn.Module) -> nn.Module:
         if isinstance(inner, nn.Module):
             return _unwrapped(inner)
     return model
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass: activation checkpointing then re-runs the
-    forward of checkpointed layers, which is not a forward to capture."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
-def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
-    transfer = session.catcher.transfer
-
-    @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if _in_backward() or not session._wants_call():
-            return
-        entry, events = transfer({"args": args, "kwargs": kwargs})
-        session._record(name, "inputs", entry, events)
-
-    return hook
-
-
-def _output_hook(session: CaptureSession, name: str) -> Callable[..., None]:
-    transfer = session.catcher.transfer
-
-    @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
-    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if _in_backward() or not session._wants_call():
-            return
-        value, events = transfer(output)
-        session._record(name, "outputs", value, events)
-
-    return hook
 
 
 class ModelIOCatcher:
@@ -319,13 +165,19 @@ class ModelIOCatcher:
         return resolve_names(names, self.module_names)
 
     def __call__(
-        self, inputs: Iterable[str] = (), outputs: Iterable[str] = (), early_exit: bool = False
+        self,
+        inputs: Iterable[str] = (),
+        outputs: Iterable[str] = (),
+        early_exit: bool = False,
+        transform: CaptureTransform | None = None,
     ) -> CaptureSession:
         """Request a session capturing ``inputs`` and ``outputs`` (names or globs).
 
         Use as ``with catcher(inputs=[...], outputs=[...]) as buf:``. Unknown names raise
         ``KeyError`` (``UnknownModuleError``) with close matches; a request that selects
-        nothing raises ``ValueError``.
+        nothing raises ``ValueError``. ``transform`` changes what is copied of each
+        captured tensor (see :mod:`~lightning_iocatch.capture.transform`), such as a
+        batch's token selection.
         """
         inputs, outputs = _names("inputs", inputs), _names("outputs", outputs)
         early_exit = check_bool("early_exit", early_exit)
@@ -339,21 +191,33 @@ class ModelIOCatcher:
         resolved_out = resolve_names(outputs, list(index))
         if not resolved_in and not resolved_out:
             raise ValueError("the capture request selects no module: give `inputs` or `outputs`")
+        if transform is not None and not callable(getattr(transform, "capture", None)):
+            raise TypeError(
+                "`transform` must have a `capture(tensor, site)` method (a CaptureTransform, "
+                f"such as TokenRows(...).select(batch)), got {type(transform).__name__}"
+            )
         modules = {name: index[name] for name in (*resolved_in, *resolved_out)}
-        self._requested = CaptureSession(self, modules, resolved_in, resolved_out, early_exit)
+        self._requested = CaptureSession(
+            self, modules, resolved_in, resolved_out, early_exit, transform
+        )
         return self._requested
 
-    def from_spec(self, spec: str | CaptureSpec, early_exit: bool = False) -> CaptureSession:
+    def from_spec(
+        self,
+        spec: str | CaptureSpec,
+        early_exit: bool = False,
+        transform: CaptureTransform | None = None,
+    ) -> CaptureSession:
         """Request a session from a spec string such as ``"outputs[model.layers.5]"``.
 
-        Same as ``catcher(inputs=..., outputs=..., early_exit=...)`` with the names of the
-        spec. Malformed specs raise ``SpecError``; a spec that selects nothing raises
-        ``ValueError``; unknown names raise ``KeyError`` (``UnknownModuleError``).
+        Same as ``catcher(inputs=..., outputs=..., early_exit=..., transform=...)`` with the
+        names of the spec. Malformed specs raise ``SpecError``; a spec that selects nothing
+        raises ``ValueError``; unknown names raise ``KeyError`` (``UnknownModuleError``).
         """
         parsed = spec if isinstance(spec, CaptureSpec) else CaptureSpec.parse(spec)
         if parsed.is_empty:
             raise ValueError(f"capture spec {parsed.to_string() or spec!r} selects no module")
-        return self(inputs=parsed.inputs, outputs=parsed.outputs, early_exit=early_exit)
+        return self(parsed.inputs, parsed.outputs, early_exit, transform)
 
     def for_product(self, spec: str | CaptureSpec, early_exit: bool = True) -> CaptureSession:
         """Deprecated name of :meth:`from_spec`, which defaults to ``early_exit=False``.
@@ -396,18 +260,6 @@ class ModelIOCatcher:
         """Close the open session, removing its hooks. Does nothing when none is open."""
         if self._session is not None:
             self._session.close()
-
-    def select_tokens(self, selection: TokenSelection | None) -> None:
-        """Capture only ``selection``'s tokens of sequence tensors from now on (``None``: all).
-
-        Set it for each batch, before its forward; see :mod:`lightning_iocatch.store.tokens`.
-        """
-        if selection is not None and not isinstance(selection, TokenSelection):
-            raise TypeError(
-                "`selection` must be a TokenSelection (from TokenRows(...).select(batch)) or "
-                f"None, got {type(selection).__name__}"
-            )
-        self.transfer.tokens = selection
 
     @property
     def session(self) -> CaptureSession | None:

@@ -15,21 +15,39 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from lightning_iocatch.capture.catcher import CaptureSession
+__all__ = ["COORDINATOR", "ForwardCoordinator", "Participant", "StopForward"]
 
-__all__ = ["COORDINATOR", "ForwardCoordinator", "StopForward"]
+
+class Participant(Protocol):
+    """An open session as the coordinator sees it
+    (:class:`~lightning_iocatch.capture.session.CaptureSession`)."""
+
+    early_exit: bool
+
+    @property
+    def root(self) -> nn.Module:
+        """The model of the session's catcher, under any wrapper."""
+        ...
+
+    @property
+    def done(self) -> bool:
+        """Whether the current forward gave every capture the session asked for."""
+        ...
+
+    def begin_forward(self) -> None:
+        """A forward through :meth:`ForwardCoordinator.call` starts."""
+        ...
 
 
 @dataclass(eq=False)
 class _Frame:
     """One forward in progress through :meth:`ForwardCoordinator.call`."""
 
-    involved: list[CaptureSession]
+    involved: list[Participant]
     stop_sent: bool = field(default=False)
 
 
@@ -48,7 +66,7 @@ class ForwardCoordinator:
     """The open sessions, and the one place that stops forwards early (:data:`COORDINATOR`)."""
 
     def __init__(self) -> None:
-        self.sessions: list[CaptureSession] = []
+        self.sessions: list[Participant] = []
         self._frames: list[_Frame] = []
         self._trees: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = (
             weakref.WeakKeyDictionary()
@@ -59,11 +77,11 @@ class ForwardCoordinator:
         """True while a forward runs through :meth:`call` (early exit can be absorbed)."""
         return bool(self._frames)
 
-    def open(self, session: CaptureSession) -> None:
+    def open(self, session: Participant) -> None:
         self._trees.clear()  # modules may have been added since: recompute on demand
         self.sessions.append(session)
 
-    def close(self, session: CaptureSession) -> None:
+    def close(self, session: Participant) -> None:
         if session in self.sessions:
             self.sessions.remove(session)
 
@@ -73,11 +91,11 @@ class ForwardCoordinator:
             self._trees[model] = frozenset(id(module) for module in model.modules())
         return self._trees[model]
 
-    def _involved(self, model: nn.Module) -> list[CaptureSession]:
+    def _involved(self, model: nn.Module) -> list[Participant]:
         running = self.tree(model)
         return [s for s in self.sessions if id(s.root) in running or id(model) in self.tree(s.root)]
 
-    def maybe_stop(self, session: CaptureSession) -> None:
+    def maybe_stop(self, session: Participant) -> None:
         """Stop the forward if every session it involves is done (called by the hooks)."""
         if not self._frames:
             return
@@ -95,7 +113,7 @@ class ForwardCoordinator:
         """
         frame = _Frame(self._involved(model))
         for session in frame.involved:
-            session._begin_forward()
+            session.begin_forward()
         self._frames.append(frame)
         try:
             result = fn(*args, **kwargs)

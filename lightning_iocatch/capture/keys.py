@@ -18,7 +18,17 @@ import torch
 
 from lightning_iocatch.errors import CaptureError
 
-__all__ = ["flatten_captures", "flatten_value"]
+__all__ = ["entry_prefix", "flatten_captures", "flatten_value"]
+
+
+def entry_prefix(name: str, kind: str, call: int) -> str:
+    """The key of call ``call`` of module ``name``'s ``kind``: ``h.0/outputs``, ``h.0/outputs@1``.
+
+    Example:
+        >>> entry_prefix("h.0", "outputs", 0), entry_prefix("h.0", "inputs", 2)
+        ('h.0/outputs', 'h.0/inputs@2')
+    """
+    return f"{name}/{kind}" if call == 0 else f"{name}/{kind}@{call}"
 
 
 def flatten_value(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -60,7 +70,7 @@ def flatten_captures(
     for name, kinds in captures.items():
         for kind, entries in kinds.items():
             for call, entry in enumerate(entries):
-                prefix = f"{name}/{kind}" if call == 0 else f"{name}/{kind}@{call}"
+                prefix = entry_prefix(name, kind, call)
                 for key, tensor in flatten_value(entry, prefix):
                     if key in flat:
                         raise CaptureError(

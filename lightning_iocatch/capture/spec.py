@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from lightning_iocatch.errors import SpecError, UnknownModuleError
+from lightning_iocatch.suggest import NUMBER, close_names, numbers
 
 __all__ = [
     "WRAPPER_COMPONENTS",
     "CaptureSpec",
     "canonical_name",
-    "close_names",
     "format_io_spec",
     "parse_io_spec",
     "resolve_names",
@@ -40,7 +40,6 @@ LIST_NAMES_HINT = (
     "list valid names with `lightning-iocatch modules` or `[n for n, _ in model.named_modules()]`"
 )
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_NUMBER = re.compile(r"-?\d+")  # "-1" is its own index (not 1): never suggest layer 1
 
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 """Name components that wrappers insert between a module and its parent, dropped from names.
@@ -275,28 +274,6 @@ def unknown_name_message(name: str, available: Sequence[str]) -> str:
     return f"unknown module name {name!r}{hint} {LIST_NAMES_HINT}"
 
 
-def close_names(name: str, available: Iterable[str], cutoff: float = 0.6) -> list[str]:
-    """Up to three names of ``available`` close to ``name`` that keep all its numbers.
-
-    Names that end with ``"." + name`` (a prefix left out) come first; otherwise
-    ``difflib`` picks among the names with the same numbers, in the same order.
-
-    Example:
-        >>> close_names("layers.1", ["model.layers.1", "model.layers.11", "model.layer.1"])
-        ['model.layers.1']
-        >>> close_names("model.layers.12", ["model.layers.1", "model.layers.2"])
-        []
-    """
-    numbers = _numbers(name)
-    same_numbers = [n for n in available if _numbers(n) == numbers]
-    close = [n for n in same_numbers if n.endswith("." + name)][:3]  # a prefix left out
-    return close or difflib.get_close_matches(name, same_numbers, n=3, cutoff=cutoff)
-
-
-def _numbers(name: str) -> tuple[int, ...]:
-    return tuple(int(number) for number in _NUMBER.findall(name))
-
-
 def _index_hint(request: str, names: Sequence[str]) -> str:
     """``"; 'model.layers' has 0..11, not 12."`` for the first index of ``request`` out of range.
 
@@ -312,10 +289,10 @@ def _index_hint(request: str, names: Sequence[str]) -> str:
     position = 0
     while position < len(parts):
         part = parts[position]
-        if _NUMBER.fullmatch(part):
+        if NUMBER.fullmatch(part):
             parent = ".".join(parts[:position])
             if parent not in children:
-                alike = [c for c in children if c and _numbers(c) == _numbers(parent)]
+                alike = [c for c in children if c and numbers(c) == numbers(parent)]
                 fixes = difflib.get_close_matches(parent, alike, n=1, cutoff=0.6)
                 if not fixes:
                     return ""

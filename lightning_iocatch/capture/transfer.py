@@ -22,7 +22,7 @@ import torch
 
 from lightning_iocatch.capture.host_copy import CudaOps, HostCopier
 from lightning_iocatch.capture.pinned_ring import StagedCopy
-from lightning_iocatch.store.tokens import TokenSelection
+from lightning_iocatch.capture.transform import CaptureTransform, Site
 
 __all__ = [
     "CaptureTransfer",
@@ -91,21 +91,30 @@ def map_tensors(
     dataclasses; containers are always new objects; anything else becomes ``other(obj)``
     (by default: returned as it is).
     """
+    return _map(obj, lambda tensor, _: fn(tensor), other, "")
+
+
+Leaf = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def _map(obj: Any, fn: Leaf, other: Callable[[Any], Any], path: str) -> Any:
+    """:func:`map_tensors` with each tensor's path inside ``obj`` (``"/0/hidden"``), as the
+    flat keys of :mod:`~lightning_iocatch.capture.keys` spell it."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
+        return fn(obj, path)
     if isinstance(obj, Mapping):
-        return _map_mapping(obj, fn, other)
+        return _map_mapping(obj, fn, other, path)
     if isinstance(obj, list):
-        return type(obj)(map_tensors(v, fn, other) for v in obj)
+        return type(obj)(_map(v, fn, other, f"{path}/{i}") for i, v in enumerate(obj))
     if isinstance(obj, tuple):
-        items = [map_tensors(v, fn, other) for v in obj]
+        items = [_map(v, fn, other, f"{path}/{i}") for i, v in enumerate(obj)]
         if hasattr(obj, "_fields"):  # namedtuple
             return type(obj)(*items)
         if type(obj) is tuple:
             return tuple(items)
         return type(obj)(items)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _map_dataclass(obj, fn, other)
+        return _map_dataclass(obj, fn, other, path)
     return other(obj)
 
 
@@ -114,11 +123,9 @@ def _placeholder_unless_immutable(obj: Any) -> Any:
 
 
 def _map_mapping(
-    mapping: Mapping[Any, Any],
-    fn: Callable[[torch.Tensor], torch.Tensor],
-    other: Callable[[Any], Any],
+    mapping: Mapping[Any, Any], fn: Leaf, other: Callable[[Any], Any], path: str
 ) -> Any:
-    items = {key: map_tensors(value, fn, other) for key, value in mapping.items()}
+    items = {key: _map(value, fn, other, f"{path}/{key}") for key, value in mapping.items()}
     try:
         result: Any = copy.copy(mapping)
         for key, value in items.items():
@@ -128,12 +135,10 @@ def _map_mapping(
         return items
 
 
-def _map_dataclass(
-    obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], other: Callable[[Any], Any]
-) -> Any:
+def _map_dataclass(obj: Any, fn: Leaf, other: Callable[[Any], Any], path: str) -> Any:
     result = copy.copy(obj)
     for field in dataclasses.fields(obj):
-        value = map_tensors(getattr(obj, field.name), fn, other)
+        value = _map(getattr(obj, field.name), fn, other, f"{path}/{field.name}")
         object.__setattr__(result, field.name, value)  # works for frozen dataclasses too
     return result
 
@@ -190,8 +195,8 @@ class CaptureTransfer:
     ``pinned_bytes`` of pinned memory, in a way that cannot race with the model (see
     :mod:`lightning_iocatch.capture.host_copy`); everything else is copied as
     :func:`transfer_to_device` does. ``pinned_bytes=0`` turns the asynchronous path off.
-    With ``tokens`` set, each tensor is first reduced to its selected tokens, on its own
-    device (see :mod:`lightning_iocatch.store.tokens`).
+    A call's ``transform`` first changes each tensor on its own device (see
+    :mod:`lightning_iocatch.capture.transform`).
     """
 
     def __init__(
@@ -208,24 +213,29 @@ class CaptureTransfer:
         self.dtype = dtype
         to_host = device is not None and device.type == "cpu"
         self.host = HostCopier(pinned_bytes, ops) if pinned_bytes and to_host else None
-        self.tokens: TokenSelection | None = None  # applied before any copy, where set
 
-    def __call__(self, obj: Any) -> tuple[Any, list[StagedCopy]]:
-        """``(copy of obj, pending)``: read the copy only once every pending copy is waited for."""
+    def __call__(
+        self,
+        obj: Any,
+        transform: CaptureTransform | None = None,
+        site: Site | None = None,
+    ) -> tuple[Any, list[StagedCopy], list[str]]:
+        """``(copy of obj, pending, changed)``: read the copy only once every pending copy is
+        waited for; ``changed`` are the paths of the tensors ``transform`` changed (at
+        ``site``)."""
         pending: list[StagedCopy] = []
-        host, tokens = self.host, self.tokens
+        changed: list[str] = []
+        host = self.host
 
-        def copy_one(tensor: torch.Tensor) -> torch.Tensor:
-            selected = tokens.apply(tensor) if tokens is not None else None
-            if selected is not None:
-                tensor = selected
+        def copy_one(tensor: torch.Tensor, path: str) -> torch.Tensor:
+            if transform is not None and site is not None:
+                replaced = transform.capture(tensor.detach(), site)
+                if replaced is not None:
+                    tensor = replaced
+                    changed.append(path)
             dtype = _target_dtype(tensor, self.dtype)
             if host is not None and host.accepts(tensor, dtype):
-                copied = host.copy(tensor, dtype, pending)
-            else:
-                copied = _copy_tensor(tensor, self.device, self.dtype)
-            if tokens is not None and selected is not None:
-                tokens.mark(copied)
-            return copied
+                return host.copy(tensor, dtype, pending)
+            return _copy_tensor(tensor, self.device, self.dtype)
 
-        return map_tensors(obj, copy_one, _placeholder_unless_immutable), pending
+        return _map(obj, copy_one, _placeholder_unless_immutable, ""), pending, changed

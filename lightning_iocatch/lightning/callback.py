@@ -41,7 +41,7 @@ from lightning_iocatch.lightning.predict_route import (
 from lightning_iocatch.lightning.probe_sink import ProbeSink
 from lightning_iocatch.lightning.process_group_exit import destroy_gloo_group_at_exit
 from lightning_iocatch.lightning.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
-from lightning_iocatch.store.tokens import TokenRows
+from lightning_iocatch.store.tokens import TokenRows, TokenSelection
 
 __all__ = ["IOCaptureCallback"]
 
@@ -340,11 +340,12 @@ class IOCaptureCallback(Callback):
         )
 
     def _select_tokens(self, batch: Any) -> None:
-        """Give the catcher this predict batch's token selection (a writer's ``tokens``)."""
+        """Capture this predict batch through its token selection (a writer's ``tokens``),
+        a transform the batch's buffer carries (captures between batches are dropped)."""
         if self._token_rows is None or self._session is None or self._stage != "predict":
             return
         selection = None if self._skip_step else self._token_rows.select(batch)
-        self._session.catcher.select_tokens(selection)
+        self._session.take(transform=selection)
 
     def _batch_end(
         self, stage: str, trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int
@@ -352,14 +353,14 @@ class IOCaptureCallback(Callback):
         if self._session is None or self._indexer is None or self._stage != stage:
             return
         captures = self._session.take()
-        tokens = self._session.catcher.transfer.tokens  # what this batch was captured with
-        self._session.catcher.select_tokens(None)
+        tokens = captures.transform  # what this batch was captured with
         if self._skip_step:
             return  # captured only because another callback needed the forward
         indices = self._indexer(trainer, batch_idx, dataloader_idx)
         repeated = self._indexer.repeated(batch_idx, dataloader_idx)
+        selection = tokens if isinstance(tokens, TokenSelection) else None
         record = BatchCaptures(
-            stage, batch_idx, dataloader_idx, captures, indices, batch, repeated, tokens
+            stage, batch_idx, dataloader_idx, captures, indices, batch, repeated, selection
         )
         for sink in self._sinks:
             sink.on_batch(record)
@@ -398,8 +399,6 @@ class IOCaptureCallback(Callback):
         """Remove the hooks and restore ``predict_step``; safe to call at any time."""
         session, self._session, self._stage = self._session, None, None
         self._indexer = None
-        if self._catcher is not None:
-            self._catcher.select_tokens(None)
         leave_route, self._leave_route = self._leave_route, None
         self._skip_step = False
         try:

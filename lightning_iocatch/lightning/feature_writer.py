@@ -306,6 +306,7 @@ class FeatureWriter(CaptureSink):
             repeated=batch.repeated,
             required=[key for key in tensors if _required(key, batch.tokens is not None)],
             tokens=batch.tokens,
+            token_keys=batch.captures.transformed_keys(),
         )
 
     def _end(self, *, abort: bool) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_iocatch.capture.buffer import CaptureBuffer
-from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher
+from lightning_iocatch.capture.session import CaptureSession
 
 __all__ = ["PredictMember", "join_predict_route", "leave_predict_route"]
 
@@ -35,7 +35,7 @@ class PredictMember:
 
 
 class _PredictRoute:
-    def __init__(self, pl_module: pl.LightningModule, catcher: ModelIOCatcher) -> None:
+    def __init__(self, pl_module: pl.LightningModule, session: CaptureSession) -> None:
         self.members: list[PredictMember] = []
         self._module = weakref.ref(pl_module)
         self._own = vars(pl_module).get("predict_step", _MISSING)
@@ -45,7 +45,8 @@ class _PredictRoute:
             members = list(self.members)
             if members and all(member.skips_batch() for member in members):
                 return None  # every armed callback has this batch already
-            result, _ = catcher.coordinator.call(catcher.root, original, *args, **kwargs)
+            coordinator = session.catcher.coordinator  # the process's: every session's
+            result, _ = coordinator.call(session.root, original, *args, **kwargs)
             early = [member.session.buffer for member in members if member.session.early_exit]
             return _merged(early) if early else result
 
@@ -80,7 +81,7 @@ def join_predict_route(pl_module: pl.LightningModule, member: PredictMember) -> 
     """Route ``pl_module.predict_step`` through its coordinator while ``member`` is armed."""
     route = _routes.get(pl_module)
     if route is None:
-        route = _routes[pl_module] = _PredictRoute(pl_module, member.session.catcher)
+        route = _routes[pl_module] = _PredictRoute(pl_module, member.session)
     if member not in route.members:
         route.members.append(member)
 

@@ -84,13 +84,15 @@ class RowSelector:
         repeated: Sequence[bool] | None,
         required: Collection[str],
         tokens: TokenSelection | None = None,
+        token_keys: Collection[str] = (),
     ) -> SelectedBatch | None:
         """The new rows of one batch (``None`` when it has none), marked as written.
 
         ``tensors`` by key, ``indices`` the dataset index of each sample; ``repeated`` marks
         samples that are padding; ``required`` names keys that must have a row per sample.
-        ``tokens``: the batch's token selection, whose selected tensors have one row per
-        token (see :mod:`lightning_iocatch.store.tokens`); rows get its coordinates.
+        ``tokens``: the batch's token selection (see :mod:`lightning_iocatch.store.tokens`);
+        ``token_keys``: the keys of the tensors it selected (one row per token; rows get
+        its coordinates).
 
         Raises:
             StoreError: a tensor that cannot be stored (naming its key), or an index that is
@@ -108,7 +110,7 @@ class RowSelector:
                 f"batch {batch_idx} has {samples} dataset indices"
             )
         has_rows = {
-            key: self._has_rows(tensors[key], tensor, rows, tokens)
+            key: self._has_rows(key, tensor, rows, tokens, token_keys)
             for key, tensor in stored.items()
         }
         for key in required:
@@ -173,11 +175,15 @@ class RowSelector:
 
     @staticmethod
     def _has_rows(
-        captured: torch.Tensor, stored: torch.Tensor, rows: int, tokens: TokenSelection | None
+        key: str,
+        stored: torch.Tensor,
+        rows: int,
+        tokens: TokenSelection | None,
+        token_keys: Collection[str],
     ) -> bool:
         """Whether a tensor has a row per row of the batch (a selected tensor, for tokens)."""
         if tokens is not None and tokens.reduce is None:
-            return tokens.is_selected(captured)
+            return key in token_keys
         return bool(stored.dim()) and stored.shape[0] == rows
 
     def _storable(self, key: str, tensor: torch.Tensor) -> torch.Tensor:

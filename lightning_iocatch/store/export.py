@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from lightning_iocatch.capture.spec import close_names
 from lightning_iocatch.store.backends.location import StoreLocation
 from lightning_iocatch.store.reader import FeatureStore, OnDuplicate
+from lightning_iocatch.suggest import close_names
 
 if TYPE_CHECKING:
     from datasets import Features

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_iocatch.capture.spec import close_names
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.location import StoreLocation, resolve_location
 from lightning_iocatch.store.ledger import LedgerEntry
@@ -26,6 +25,7 @@ from lightning_iocatch.store.shard_access import (
     shard_checksum,
 )
 from lightning_iocatch.store.stored_batches import StoredBatch, read_first_commits
+from lightning_iocatch.suggest import close_names
 
 __all__ = ["FeatureStore"]
 

@@ -5,7 +5,8 @@ A language model's activations come as ``(batch, seq, ...)`` tensors, padding in
 batch's ``attention_mask`` is 1 (or a ``mask(batch)`` function of your own), without the
 first position (``drop_first``, the BOS token) and without tokens whose id is in
 ``drop_token_ids`` (special tokens). For each batch, :meth:`TokenRows.select` computes a
-:class:`TokenSelection` on the batch's device; the catcher applies it to every captured
+:class:`TokenSelection` on the batch's device: a capture transform
+(:mod:`lightning_iocatch.capture.transform`) that the catcher applies to every captured
 tensor whose first two dimensions are the batch's ``(batch, seq)``, *on the capture's
 device, before the copy to the host*, so a GPU never copies padding:
 
@@ -29,17 +30,16 @@ token); captured values are copied by :mod:`lightning_iocatch.capture.transfer` 
 
 Example (a plain loop; :class:`~lightning_iocatch.FeatureWriter` does this for you):
     >>> from torch import nn
-    >>> from lightning_iocatch.capture.catcher import ModelIOCatcher
+    >>> from lightning_iocatch.capture import ModelIOCatcher
     >>> embed = nn.Embedding(10, 2)
     >>> batch = {"input_ids": torch.tensor([[1, 5, 6], [1, 7, 0]]),
     ...          "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
     >>> selection = TokenRows(drop_first=True).select(batch)
     >>> catcher = ModelIOCatcher(embed, "cpu")
-    >>> with catcher(outputs=[""]) as buf:
-    ...     catcher.select_tokens(selection)
+    >>> with catcher(outputs=[""], transform=selection) as buf:
     ...     _ = embed(batch["input_ids"])
-    >>> buf[""]["outputs"][0].shape  # 3 tokens: (0, 1), (0, 2), (1, 1)
-    torch.Size([3, 2])
+    >>> buf[""]["outputs"][0].shape, buf.transformed_keys()  # 3 tokens: (0, 1), (0, 2), (1, 1)
+    (torch.Size([3, 2]), {'/outputs'})
     >>> selection.sample.tolist(), selection.position.tolist(), selection.token_id.tolist()
     ([0, 0, 1], [1, 2, 1], [5, 6, 7])
 """
@@ -247,8 +247,7 @@ class TokenSelection:
         self.reduce = reduce
         self.shape = tuple(keep.shape)
         self._keep = keep
-        self._selected: dict[int, torch.Tensor] = {}  # by id; held, so ids stay theirs
-        self._on_device: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._on_device: dict[tuple[torch.device, str], torch.Tensor] = {}
         batch, seq = self.shape
         start = torch.zeros(batch, dtype=torch.int64) if start is None else start.cpu()
         self.position: torch.Tensor | None = None
@@ -277,41 +276,37 @@ class TokenSelection:
         """The number of rows each selected tensor gets."""
         return int(self.sample.numel())
 
-    def apply(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """``tensor``'s selected rows (on its device), or ``None`` where it is not selected."""
+    def capture(self, tensor: torch.Tensor, site: Any = None) -> torch.Tensor | None:
+        """``tensor``'s selected rows (on its device), or ``None`` where it is not selected:
+        the capture transform of :mod:`lightning_iocatch.capture.transform` (whatever the
+        site)."""
         if tensor.dim() < 2 or tuple(tensor.shape[:2]) != self.shape:
             return None
         tensor = tensor.detach()
         if self.reduce is None:
-            return tensor.flatten(0, 1).index_select(0, self._on(tensor.device, self._where))
+            return tensor.flatten(0, 1).index_select(0, self._on(tensor.device, "_where"))
         if not tensor.is_floating_point():
             return None
         if not self.shape[1]:  # no token at all: every sample is empty
             return tensor.new_full((self.shape[0], *tensor.shape[2:]), torch.nan)
-        keep = self._on(tensor.device, self._keep)
-        count = self._on(tensor.device, self._count)
+        keep = self._on(tensor.device, "_keep")
+        count = self._on(tensor.device, "_count")
         trailing = (1,) * (tensor.dim() - 2)
         if self.reduce == "mean":
             wide = tensor.to(torch.promote_types(tensor.dtype, torch.float32))
             total = torch.where(keep.view(*self.shape, *trailing), wide, 0).sum(1)
             return total / count.view(-1, *trailing).to(total.dtype)  # 0 / 0: NaN
-        where = self._on(tensor.device, self._where)
+        where = self._on(tensor.device, "_where")
         index = where.view(-1, 1, *trailing).expand(-1, 1, *tensor.shape[2:])
         picked = tensor.gather(1, index).squeeze(1)
         return torch.where((count == 0).view(-1, *trailing), torch.nan, picked)
 
-    def _on(self, device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    def _on(self, device: torch.device, name: str) -> torch.Tensor:
+        """This selection's tensor ``name`` (``_where``, ``_keep``, ``_count``) on ``device``,
+        moved there once."""
+        tensor: torch.Tensor = getattr(self, name)
         if tensor.device == device:
             return tensor
-        key = (device, id(tensor))  # tensors this selection holds for its whole life
-        if key not in self._on_device:
-            self._on_device[key] = tensor.to(device)
-        return self._on_device[key]
-
-    def mark(self, copy: torch.Tensor) -> None:
-        """Record ``copy`` as the captured copy of a selected tensor."""
-        self._selected[id(copy)] = copy
-
-    def is_selected(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is the captured copy of a selected tensor."""
-        return self._selected.get(id(tensor)) is tensor
+        if (device, name) not in self._on_device:
+            self._on_device[(device, name)] = tensor.to(device)
+        return self._on_device[(device, name)]

@@ -171,15 +171,18 @@ class ShardWriter:
         repeated: Sequence[bool] | None = None,
         required: Collection[str] = (),
         tokens: TokenSelection | None = None,
+        token_keys: Collection[str] = (),
     ) -> int:
         """Queue one batch: ``tensors`` by key, ``indices`` the dataset index of each sample.
 
         ``repeated`` marks samples that are padding (not written); ``required`` names keys
         that must have a row per sample. ``tokens``: the batch's token selection, when the
-        tensors were captured with one (``catcher.select_tokens``): its selected tensors are
-        stored one row per token, with their coordinates (``__position__`` and
-        ``__token_id__`` keys). Returns the number of rows that will be written (rows of
-        samples already committed or written are dropped). Blocks while the queue is full.
+        tensors were captured with it as the session's transform
+        (``catcher(..., transform=selection)``), and ``token_keys`` the keys it selected
+        (``buffer.transformed_keys()``): those are stored one row per token, with their
+        coordinates (``__position__`` and ``__token_id__`` keys). Returns the number of rows
+        that will be written (rows of samples already committed or written are dropped).
+        Blocks while the queue is full.
 
         Raises:
             StoreError: a tensor that cannot be stored (naming its key), an index that is
@@ -196,6 +199,7 @@ class ShardWriter:
             repeated=repeated,
             required=required,
             tokens=tokens,
+            token_keys=token_keys,
         )
         if batch is None:
             return 0

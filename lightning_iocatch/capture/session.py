@@ -1,0 +1,204 @@
+"""CaptureSession: one capture request's hooks, registered only while it is open.
+
+Hooks are global state on the model. This module is the only one that registers them,
+and it registers them only on the modules a session asks for, only while that session is
+open: a forward outside a session runs exactly as if no catcher existed. Each hook copies
+its value through the batch's transform (:mod:`~lightning_iocatch.capture.transform`) into
+the session's buffer, and tells the coordinator
+(:class:`~lightning_iocatch.capture.coordinator.ForwardCoordinator`) when the session has all
+it asked for (early exit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_iocatch.capture.buffer import CaptureBuffer
+from lightning_iocatch.capture.compiled import prepare_for_hooks
+from lightning_iocatch.capture.coordinator import ForwardCoordinator
+from lightning_iocatch.capture.transfer import CaptureTransfer
+from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
+from lightning_iocatch.errors import CaptureError
+
+__all__ = ["CaptureSession", "Owner"]
+
+
+class Owner(Protocol):
+    """What a session needs of its catcher
+    (:class:`~lightning_iocatch.capture.catcher.ModelIOCatcher`)."""
+
+    model: nn.Module  # where the hooks go, under any wrapper
+    root: nn.Module  # the module whose forwards the coordinator runs
+    transfer: CaptureTransfer
+    coordinator: ForwardCoordinator
+    _session: CaptureSession | None  # the catcher's open session: one at a time
+
+
+class CaptureSession:
+    """One capture request on a :class:`~lightning_iocatch.capture.catcher.ModelIOCatcher`;
+    hooks exist only while it is open.
+
+    Use it as a context manager (``with catcher(outputs=[...]) as buf:``), or call
+    :meth:`open` and :meth:`close` in a ``try/finally`` yourself. ``transform`` changes
+    what the first batch's captures copy (see :mod:`~lightning_iocatch.capture.transform`);
+    :meth:`take` gives each next batch its own.
+    """
+
+    def __init__(
+        self,
+        catcher: Owner,
+        modules: dict[str, nn.Module],
+        inputs: list[str],
+        outputs: list[str],
+        early_exit: bool,
+        transform: CaptureTransform | None = None,
+    ) -> None:
+        self.catcher = catcher
+        self.modules = modules
+        self.inputs = inputs
+        self.outputs = outputs
+        self.early_exit = early_exit
+        self.buffer = CaptureBuffer.empty(dict.fromkeys([*inputs, *outputs]), transform)
+        targets: list[tuple[str, Kind]] = [(n, "inputs") for n in inputs]
+        targets += [(n, "outputs") for n in outputs]
+        self._targets = frozenset(targets)
+        self._pending: set[tuple[str, Kind]] = set(self._targets)
+        self._handles: list[RemovableHandle] = []
+
+    @property
+    def root(self) -> nn.Module:
+        """The model of this session's catcher, under any wrapper."""
+        return self.catcher.root
+
+    @property
+    def is_open(self) -> bool:
+        """True while this session's hooks are registered."""
+        return self.catcher._session is self
+
+    @property
+    def done(self) -> bool:
+        """True once the current forward has given every capture this session asked for."""
+        return not self._pending
+
+    def open(self) -> CaptureBuffer:
+        """Register the hooks and return the buffer that fills while the session is open."""
+        if self.catcher._session is not None:
+            raise CaptureError(
+                "a capture session is already open on this catcher; close it before opening "
+                "another (one `with catcher(...)` at a time, or use a second ModelIOCatcher)"
+            )
+        prepare_for_hooks(self.catcher.model, self.modules)
+        self.catcher._session = self
+        self.catcher.coordinator.open(self)
+        self._pending = set(self._targets)
+        try:
+            for name in self.inputs:
+                hook = _input_hook(self, name)
+                self._handles.append(
+                    self.modules[name].register_forward_pre_hook(hook, with_kwargs=True)
+                )
+            for name in self.outputs:
+                hook = _output_hook(self, name)
+                self._handles.append(self.modules[name].register_forward_hook(hook))
+        except BaseException:
+            self.close()
+            raise
+        return self.buffer
+
+    def close(self) -> None:
+        """Remove every hook this session registered and wait for pending copies.
+
+        Safe to call more than once.
+        """
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        if self.catcher._session is self:
+            self.catcher._session = None
+        self.catcher.coordinator.close(self)
+        self.buffer.settle()
+
+    def take(self, transform: CaptureTransform | None = None) -> CaptureBuffer:
+        """Return what was captured so far, settled, and continue into a fresh, empty buffer
+        whose captures go through ``transform`` (the next batch's; ``None``: none).
+
+        Example:
+            >>> from lightning_iocatch.capture.catcher import ModelIOCatcher
+            >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+            >>> session = ModelIOCatcher(net, "cpu")(outputs=["0"])
+            >>> with session:
+            ...     _ = net(torch.ones(1, 2))
+            ...     first = session.take()
+            ...     _ = net(torch.ones(1, 2))
+            >>> len(first["0"]["outputs"]), len(session.buffer["0"]["outputs"])
+            (1, 1)
+        """
+        taken = self.buffer
+        self.buffer = CaptureBuffer.empty(taken._data, transform)
+        taken.settle()
+        return taken
+
+    def __enter__(self) -> CaptureBuffer:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def begin_forward(self) -> None:
+        """A forward through the coordinator starts: every capture is pending again."""
+        self._pending = set(self._targets)
+
+    def _wants_call(self) -> bool:
+        """Whether a hook of this session captures the call now (before anything is copied)."""
+        if not self.early_exit:
+            return True
+        if not self.catcher.coordinator.in_forward:
+            raise CaptureError(
+                "this session has early_exit=True, so forwards must go through "
+                "`catcher.run(*args, **kwargs)` (or `catcher.call(fn, ...)`), which absorbs the "
+                "early-exit signal; the model was called directly"
+            )
+        # done: later calls in this forward are as if it had stopped, whoever goes on
+        return not self.done
+
+    def _capture(self, name: str, kind: Kind, value: Any) -> None:
+        """Copy ``value`` through the batch's transform into the buffer; stop if done."""
+        buffer = self.buffer
+        site = Site(name, kind, buffer.calls(name, kind))
+        copied, events, changed = self.catcher.transfer(value, buffer.transform, site)
+        buffer.add(name, kind, copied, events, changed)
+        if self.early_exit:
+            self._pending.discard((name, kind))
+            if not self._pending:
+                self.catcher.coordinator.maybe_stop(self)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass: activation checkpointing then re-runs the
+    forward of checkpointed layers, which is not a forward to capture."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
+    @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _in_backward() or not session._wants_call():
+            return  # the forward continues with its own inputs (None: unchanged)
+        session._capture(name, "inputs", {"args": args, "kwargs": kwargs})
+
+    return hook
+
+
+def _output_hook(session: CaptureSession, name: str) -> Callable[..., None]:
+    @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if _in_backward() or not session._wants_call():
+            return  # the forward continues with the module's own output (None: unchanged)
+        session._capture(name, "outputs", output)
+
+    return hook

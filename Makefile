@@ -19,6 +19,7 @@ venv: $(BIN)/.installed
 lint: venv
 	$(BIN)/ruff check lightning_iocatch tests examples benchmarks
 	$(BIN)/ruff format --check lightning_iocatch tests examples benchmarks README.md
+	$(BIN)/lint-imports  # the layer rules of docs/architecture.md (contracts: pyproject.toml)
 
 typecheck: venv
 	$(BIN)/mypy lightning_iocatch

@@ -40,13 +40,13 @@ from safetensors.torch import save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/s3_server.py
 
 from lightning_iocatch import FeatureStore
-from lightning_iocatch.store.backends.location import ObjectLocation, resolve_location
+from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.backends.objects import (
-    commit_name,
+    ObjectBackend,
     list_objects,
     read_commit_entries,
 )
-from lightning_iocatch.store.names import FORMAT
+from lightning_iocatch.store.names import FORMAT, commit_name
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.records import BatchRecord, ShardRecord
 from lightning_iocatch.store.writer import ShardWriter
@@ -116,9 +116,9 @@ def main() -> None:
                 core.write({KEY: tensor}, range(i * rows, (i + 1) * rows))
             core.close()
 
-        plain_location = resolve_location("s3://bench/plain", options)
-        assert isinstance(plain_location, ObjectLocation)
-        fs = plain_location.fs
+        plain = open_backend("s3://bench/plain", options)
+        assert isinstance(plain, ObjectBackend)
+        fs = plain.location.fs
 
         def plain(prefix: str, plan: Any) -> None:
             for shard in range(shards):
@@ -179,8 +179,9 @@ def main() -> None:
             {KEY: [width]},
         )
         for count in (500,) if args.quick else (1000, 2000):
-            location = resolve_location(f"s3://bench/commits-{count}", options)
-            assert isinstance(location, ObjectLocation)
+            backend = open_backend(f"s3://bench/commits-{count}", options)
+            assert isinstance(backend, ObjectBackend)
+            location = backend.location
             fs.pipe(
                 {
                     location.path(commit_name(0, seq)): dataclasses.replace(

@@ -27,7 +27,6 @@ from torch import nn
 from lightning_iocatch.capture.catcher import module_index
 from lightning_iocatch.capture.spec import CaptureSpec, resolve_names
 from lightning_iocatch.errors import SpecError, StoreError, UnknownModuleError
-from lightning_iocatch.store.backends.objects import list_objects
 from lightning_iocatch.store.reader import FeatureStore
 
 __all__ = ["main"]
@@ -144,15 +143,7 @@ def _inspect(args: argparse.Namespace) -> int:
         storage_options=args.storage_options,
     )  # with --verify, every checksum is checked before a shard is read or a line printed
     meta = store.metadata
-    if isinstance(store.path, Path):
-        on_disk = sum(
-            entry.stat(follow_symlinks=False).st_size
-            for entry in os.scandir(store.path)
-            if entry.is_file(follow_symlinks=False)
-        )
-        where = "on disk"
-    else:
-        on_disk, where = sum(list_objects(store.path).values()), "under the prefix"
+    on_disk, where = sum(store.path.names().values()), store.path.place
     print(f"store      {args.path}")
     print(f"spec       {meta.get('spec')}  (stage {meta.get('stage')}, dtype {meta.get('dtype')})")
     tokens = meta.get("tokens")
@@ -166,8 +157,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if len(meta["dataloaders"]) > 1:
         print(f"dataloader {args.dataloader_idx} of {meta['dataloaders']}")
     if args.verify:
-        records = "ledger line" if isinstance(store.path, Path) else "commit record"
-        print(f"checksums  every {records} and every shard match their CRC-32")
+        print(f"checksums  every {store.path.commit_point} and every shard match their CRC-32")
     print(f"\n{'key':<56} {'dtype':<10} {'row shape':<16} {'rows':>8}")
     for key, info in meta["keys"].items():
         shape = "varies" if info["shape"] is None else str(tuple(info["shape"]))

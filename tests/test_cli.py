@@ -18,7 +18,7 @@ from lightning_iocatch import FeatureWriter, IOCaptureCallback
 from lightning_iocatch.cli import main
 from lightning_iocatch.store.records import ShardRecord
 from tests.lightning_models import TinyModule, loader, trainer
-from tests.test_store_reader import transplant
+from tests.store.test_store_reader import transplant
 
 ROOT = Path(__file__).resolve().parents[1]
 

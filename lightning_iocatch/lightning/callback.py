@@ -32,7 +32,7 @@ from lightning_iocatch.checks import (
 )
 from lightning_iocatch.errors import SpecError
 from lightning_iocatch.lightning.batch_indices import BatchIndexer
-from lightning_iocatch.lightning.feature_writer import FeatureWriter
+from lightning_iocatch.lightning.feature_writer import FeatureWriter, bind_writers, writers_tokens
 from lightning_iocatch.lightning.predict_route import (
     PredictMember,
     join_predict_route,
@@ -41,7 +41,7 @@ from lightning_iocatch.lightning.predict_route import (
 from lightning_iocatch.lightning.probe_sink import ProbeSink
 from lightning_iocatch.lightning.process_group_exit import destroy_gloo_group_at_exit
 from lightning_iocatch.lightning.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
-from lightning_iocatch.store.tokens import TokenRows, TokenSelection
+from lightning_iocatch.store.tokens import TokenSelection
 
 __all__ = ["IOCaptureCallback"]
 
@@ -181,8 +181,8 @@ class IOCaptureCallback(Callback):
         self._leave_route: Callable[[], None] | None = None
         self._skip_step = False
         self._indexer: BatchIndexer | None = None
-        self._token_rows = _token_rows(sinks)
-        _bind_writers(self, sinks)  # last: a callback refused above takes no writer with it
+        self._token_rows = writers_tokens(sinks)
+        bind_writers(self, self.spec.to_string(), sinks)  # last: a refused callback binds none
 
     @property
     @override
@@ -407,29 +407,3 @@ class IOCaptureCallback(Callback):
         finally:
             if session is not None:
                 session.close()
-
-
-def _bind_writers(callback: IOCaptureCallback, sinks: Sequence[CaptureSink]) -> None:
-    """Make the callback's writers its own, or refuse before binding any of them."""
-    writers = [sink for sink in sinks if isinstance(sink, FeatureWriter)]
-    if len({id(writer) for writer in writers}) < len(writers):
-        raise ValueError(
-            "a FeatureWriter is given twice to one IOCaptureCallback (as `writer` and in "
-            "`sinks`, or twice in `sinks`): give it once"
-        )
-    for writer in writers:
-        writer.check_unbound()
-    for writer in writers:
-        writer.bind(callback, callback.spec.to_string())
-
-
-def _token_rows(sinks: Sequence[CaptureSink]) -> TokenRows | None:
-    """The ``tokens`` of the callback's writers: one capture serves them all, so they agree."""
-    writers = [sink for sink in sinks if isinstance(sink, FeatureWriter)]
-    found = {repr(writer.tokens.settings() if writer.tokens else None) for writer in writers}
-    if len(found) > 1:
-        raise ValueError(
-            "the writers of one IOCaptureCallback must have the same `tokens` (the callback "
-            "captures once for all of them); use one callback per kind of rows"
-        )
-    return writers[0].tokens if writers else None

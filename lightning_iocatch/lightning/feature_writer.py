@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,9 +23,7 @@ from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import CaptureError, StoreError
 from lightning_iocatch.lightning.batch_indices import missing_indices_reason
 from lightning_iocatch.lightning.sinks import STAGES, BatchCaptures, CaptureSink
-from lightning_iocatch.store.backends.location import resolve_location
-from lightning_iocatch.store.backends.objects import read_store_info
-from lightning_iocatch.store.names import read_store_json
+from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.plan import MODES, Mode, StorePlan, prepare_store
 from lightning_iocatch.store.shard_file import STORABLE_DTYPES
 from lightning_iocatch.store.tokens import TokenRows
@@ -35,7 +32,7 @@ from lightning_iocatch.store.writer import ShardWriter
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["FeatureWriter"]
+__all__ = ["FeatureWriter", "bind_writers", "writers_tokens"]
 
 # The key of a module's whole output (a module that returns one tensor): the user asked
 # for exactly this tensor, so it must have a row per sample.
@@ -136,7 +133,7 @@ class FeatureWriter(CaptureSink):
                 f"`stage` must be 'predict' (FeatureWriter dumps the predict loop, which runs "
                 f"once over the data; {STAGES} are the loops), got {stage!r}"
             )
-        self.path = resolve_location(path, storage_options)
+        self.path = open_backend(path, storage_options)
         self.mode = mode
         self.max_shard_bytes = check_int("max_shard_bytes", max_shard_bytes, minimum=1)
         self.dtype = parse_dtype("dtype", dtype)
@@ -271,10 +268,7 @@ class FeatureWriter(CaptureSink):
         if not isinstance(outcome, StorePlan):
             raise StoreError(str(outcome))
         try:
-            if isinstance(self.path, Path):
-                sees = read_store_json(self.path) == outcome.store_json
-            else:
-                sees = read_store_info(self.path) == outcome.store_json
+            sees = self.path.read_info() == outcome.store_json
         except (StoreError, OSError):
             sees = False
         if not trainer.strategy.reduce_boolean_decision(sees, all=True):
@@ -321,3 +315,30 @@ class FeatureWriter(CaptureSink):
         finally:
             self._rows_before += core.rows_written
             self._bytes_before += core.bytes_written
+
+
+def bind_writers(owner: object, spec: str, sinks: Sequence[CaptureSink]) -> None:
+    """Make the writers among ``sinks`` belong to the callback ``owner``, which captures
+    ``spec``, or refuse before binding any of them."""
+    writers = [sink for sink in sinks if isinstance(sink, FeatureWriter)]
+    if len({id(writer) for writer in writers}) < len(writers):
+        raise ValueError(
+            "a FeatureWriter is given twice to one IOCaptureCallback (as `writer` and in "
+            "`sinks`, or twice in `sinks`): give it once"
+        )
+    for writer in writers:
+        writer.check_unbound()
+    for writer in writers:
+        writer.bind(owner, spec)
+
+
+def writers_tokens(sinks: Sequence[CaptureSink]) -> TokenRows | None:
+    """The ``tokens`` of the callback's writers: one capture serves them all, so they agree."""
+    writers = [sink for sink in sinks if isinstance(sink, FeatureWriter)]
+    found = {repr(writer.tokens.settings() if writer.tokens else None) for writer in writers}
+    if len(found) > 1:
+        raise ValueError(
+            "the writers of one IOCaptureCallback must have the same `tokens` (the callback "
+            "captures once for all of them); use one callback per kind of rows"
+        )
+    return writers[0].tokens if writers else None

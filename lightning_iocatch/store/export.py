@@ -20,55 +20,29 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from lightning_iocatch.store.backends.location import StoreLocation
+from lightning_iocatch.store.export_columns import (
+    INDEX_COLUMN,
+    LAYOUTS,
+    Column,
+    ExportError,
+    Layout,
+    plain_columns,
+    saelens_columns,
+)
 from lightning_iocatch.store.reader import FeatureStore, OnDuplicate
-from lightning_iocatch.suggest import close_names
 
 if TYPE_CHECKING:
     from datasets import Features
 
 __all__ = ["ExportError", "export_dataset"]
 
-Layout = Literal["columns", "saelens"]
-_LAYOUTS = ("columns", "saelens")
-INDEX_COLUMN = "index"
-TOKEN_IDS_COLUMN = "token_ids"
 _CHUNK_BYTES = 64 * 2**20  # default bound of one Arrow record batch
-# Arrow has no bfloat16: it is widened, losslessly, to float32.
-_ARROW_DTYPES = {
-    "bool": "bool",
-    "uint8": "uint8",
-    "int8": "int8",
-    "int16": "int16",
-    "int32": "int32",
-    "int64": "int64",
-    "float16": "float16",
-    "bfloat16": "float32",
-    "float32": "float32",
-    "float64": "float64",
-}
-_INTEGER = ("uint8", "int8", "int16", "int32", "int64")
-
-
-class ExportError(ValueError):
-    """A store, or the keys asked for, cannot be exported in the requested layout."""
-
-
-@dataclass(frozen=True)
-class _Column:
-    """One exported column: which key it reads, its name, row shape and Arrow dtype."""
-
-    key: str
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # an Arrow/``datasets`` Value dtype
 
 
 def export_dataset(
@@ -137,8 +111,8 @@ def export_dataset(
 
     In both layouts, bfloat16 rows are stored as float32 (Arrow has no bfloat16).
     """
-    if layout not in _LAYOUTS:
-        raise ExportError(f"`layout` must be one of {_LAYOUTS}, got {layout!r}")
+    if layout not in LAYOUTS:
+        raise ExportError(f"`layout` must be one of {LAYOUTS}, got {layout!r}")
     if batch_rows is not None and (type(batch_rows) is not int or batch_rows < 1):
         raise ExportError(f"`batch_rows` must be a positive int or None, got {batch_rows!r}")
     if layout == "columns" and (hook_name is not None or token_ids_key is not None):
@@ -158,13 +132,13 @@ def export_dataset(
         storage_options=storage_options,
         on_duplicate=on_duplicate,
     )
-    if isinstance(store.path, Path) and out.resolve().is_relative_to(store.path.resolve()):
+    if store.path.contains(out):
         raise ExportError(f"`out_dir` {str(out)!r} is inside the store; choose another directory")
     meta = store.metadata  # computed once: it walks every stored batch
     if layout == "columns":
-        columns = _plain_columns(meta, store.path, keys)
+        columns = plain_columns(meta, store.path, keys)
     else:
-        columns = _saelens_columns(meta, store.path, keys, hook_name, token_ids_key)
+        columns = saelens_columns(meta, store.path, keys, hook_name, token_ids_key)
     _check_same_rows(store, columns)
     _write(store, columns, out, batch_rows)
     return out
@@ -183,145 +157,7 @@ def _require_datasets() -> None:
 # Choosing the columns: every check before anything is written
 
 
-def _key_info(meta: dict[str, Any], path: StoreLocation, key: str) -> tuple[tuple[int, ...], str]:
-    """``(row shape, stored dtype)`` of a key that can be a column, else an ExportError."""
-    if key not in meta["keys"]:
-        close = close_names(key, meta["keys"], cutoff=0.5)
-        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-        raise ExportError(
-            f"no key {key!r} in {path}; {hint}keys: {list(meta['keys'])} "
-            "(list them with `lightning-iocatch inspect`)"
-        )
-    info = meta["keys"][key]
-    if key in meta["per_batch"]:
-        raise ExportError(
-            f"{key!r} is stored once per batch, without a row per sample, so it cannot be a "
-            "column; choose the keys to export with `keys=` (`--keys`)"
-        )
-    if info["shape"] is None:
-        raise ExportError(
-            f"{key!r} has rows of different shapes across batches (a sequence length that "
-            "varies by batch); a column needs one row shape: pad to a fixed length when "
-            "dumping, or leave it out with `keys=` (`--keys`)"
-        )
-    if "|" in info["dtype"]:
-        raise ExportError(
-            f"{key!r} is stored as {info['dtype'].replace('|', ' and ')} in different batches; "
-            "a column needs one dtype: leave it out with `keys=` (`--keys`)"
-        )
-    if info["dtype"] not in _ARROW_DTYPES:
-        raise ExportError(
-            f"{key!r} is stored as {info['dtype']}, which Arrow cannot hold; exportable "
-            f"dtypes: {sorted(_ARROW_DTYPES)}"
-        )
-    shape = tuple(info["shape"])
-    if len(shape) > 5:
-        raise ExportError(f"{key!r} has rows of {len(shape)} dimensions; at most 5 can export")
-    return shape, info["dtype"]
-
-
-def _plain_columns(
-    meta: dict[str, Any], path: StoreLocation, keys: Sequence[str] | None
-) -> list[_Column]:
-    columns = []
-    for key in _normalise_keys(meta, path, keys):
-        shape, dtype = _key_info(meta, path, key)
-        columns.append(_Column(key, key, shape, _ARROW_DTYPES[dtype]))
-    return columns
-
-
-def _normalise_keys(
-    meta: dict[str, Any], path: StoreLocation, keys: Sequence[str] | None
-) -> list[str]:
-    if keys is None:
-        chosen = list(meta["keys"])
-    elif isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
-        raise ExportError(f"`keys` must be a sequence of key names, got {keys!r}")
-    else:
-        chosen = list(dict.fromkeys(keys))
-    if not chosen:
-        where = f"in {path}" if keys is None else "given"
-        raise ExportError(f"nothing to export: no keys {where}")
-    return chosen
-
-
-def _saelens_columns(
-    meta: dict[str, Any],
-    path: StoreLocation,
-    keys: Sequence[str] | None,
-    hook_name: str | None,
-    token_ids_key: str | None,
-) -> list[_Column]:
-    if (meta.get("tokens") or {}).get("reduce", "") is None:
-        raise ExportError(
-            f"{path} holds token rows (FeatureWriter(tokens=...)), one row per token, while "
-            "layout='saelens' exports whole sequences of (context_size, d_in); export the token "
-            "rows with layout='columns', or dump the sequences without `tokens`"
-        )
-    if token_ids_key is not None:  # checked first: it must not pass for the activations
-        shape, dtype = _key_info(meta, path, token_ids_key)
-        if dtype not in _INTEGER or len(shape) != 1:
-            raise ExportError(
-                f"`token_ids_key` {token_ids_key!r} has rows of shape {shape} and dtype "
-                f"{dtype}; token ids need integer rows of shape (context_size,)"
-            )
-    candidates = [key for key in _normalise_keys(meta, path, keys) if key != token_ids_key]
-    activations = []
-    for key in candidates:
-        shape = meta["keys"].get(key, {}).get("shape")
-        if keys is None and (key in meta["per_batch"] or shape is None or len(shape) != 2):
-            continue  # with every key offered, only sequence activations are candidates
-        shape, dtype = _key_info(meta, path, key)
-        if len(shape) == 2 and dtype not in _INTEGER and dtype != "bool":
-            activations.append(_Column(key, "", shape, _ARROW_DTYPES[dtype]))
-        elif keys is not None:
-            raise ExportError(
-                f"{key!r} has rows of shape {shape} and dtype {dtype}; layout='saelens' "
-                "needs floating rows of shape (context_size, d_in)"
-            )
-    if len(activations) != 1:
-        found = [column.key for column in activations]
-        raise ExportError(
-            f"layout='saelens' exports one key of floating rows (context_size, d_in); "
-            f"{'found ' + repr(found) if found else 'found none'}: name one with `keys=` (`--keys`)"
-        )
-    act = activations[0]
-    name = hook_name if hook_name is not None else act.key.split("/", 1)[0]
-    columns = [_Column(act.key, name, act.shape, act.dtype)]
-    tokens = _token_ids_key(meta, path, token_ids_key, act.shape[0])
-    if tokens is not None:
-        columns.append(_Column(tokens, TOKEN_IDS_COLUMN, (act.shape[0],), "int32"))
-    return columns
-
-
-def _token_ids_key(
-    meta: dict[str, Any], path: StoreLocation, token_ids_key: str | None, context: int
-) -> str | None:
-    """The key of the token ids: the one given (checked), or the only candidate, or None."""
-    if token_ids_key is None:
-        found = [
-            key
-            for key, info in meta["keys"].items()
-            if info["dtype"] in _INTEGER
-            and info["shape"] == [context]
-            and key not in meta["per_batch"]
-        ]
-        if len(found) > 1:
-            raise ExportError(
-                f"several keys could hold the token ids: {found}; name one with "
-                "`token_ids_key=` (`--token-ids-key`)"
-            )
-        return found[0] if found else None
-    shape, dtype = _key_info(meta, path, token_ids_key)
-    if dtype not in _INTEGER or shape != (context,):
-        raise ExportError(
-            f"`token_ids_key` {token_ids_key!r} has rows of shape {shape} and dtype {dtype}; "
-            f"token ids need integer rows of shape ({context},), the activations' context size"
-        )
-    return token_ids_key
-
-
-def _check_same_rows(store: FeatureStore, columns: list[_Column]) -> None:
+def _check_same_rows(store: FeatureStore, columns: list[Column]) -> None:
     first = store.indices_of(columns[0].key)
     for column in columns[1:]:
         other = store.indices_of(column.key)
@@ -336,7 +172,7 @@ def _check_same_rows(store: FeatureStore, columns: list[_Column]) -> None:
 # Writing
 
 
-def _features(columns: list[_Column]) -> Features:
+def _features(columns: list[Column]) -> Features:
     from datasets import Array2D, Array3D, Array4D, Array5D, Features, List, Value
 
     arrays: dict[int, Any] = {2: Array2D, 3: Array3D, 4: Array4D, 5: Array5D}
@@ -353,7 +189,7 @@ def _features(columns: list[_Column]) -> Features:
 
 
 def _chunks(
-    store: FeatureStore, columns: list[_Column], batch_rows: int
+    store: FeatureStore, columns: list[Column], batch_rows: int
 ) -> Iterator[dict[str, np.ndarray]]:
     """Column arrays of at most ``batch_rows`` rows, stored batch by stored batch."""
     streams = [store.batches(column.key) for column in columns]
@@ -372,7 +208,7 @@ def _chunks(
             yield chunk
 
 
-def _to_numpy(rows: torch.Tensor, column: _Column) -> np.ndarray:
+def _to_numpy(rows: torch.Tensor, column: Column) -> np.ndarray:
     target = getattr(torch, column.dtype)
     if rows.dtype != target:  # bfloat16 widened; token ids narrowed to int32, never wrapped
         if not target.is_floating_point and rows.numel():
@@ -386,7 +222,7 @@ def _to_numpy(rows: torch.Tensor, column: _Column) -> np.ndarray:
     return rows.contiguous().numpy()
 
 
-def _write(store: FeatureStore, columns: list[_Column], out: Path, batch_rows: int | None) -> None:
+def _write(store: FeatureStore, columns: list[Column], out: Path, batch_rows: int | None) -> None:
     from datasets import Dataset
     from datasets.arrow_writer import ArrowWriter
 

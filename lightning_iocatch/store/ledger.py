@@ -1,8 +1,11 @@
 """The ledger of a feature store: one checksummed record per committed shard, appended.
 
 Each rank appends to its own ``ledger-r{rank:03d}.jsonl`` one JSON line per shard, once the
-shard is complete under its final name (see :mod:`lightning_iocatch.store.names` for the
-directory): the line is the store's commit point. A shard without one does not exist.
+shard is complete under its final name: the line is the store's commit point on disk (a
+store copied to object storage keeps its ledgers). A shard without one does not exist.
+This module is what a ledger's bytes mean (:func:`scan_ledger`), and what a commit record's
+bytes mean (:func:`read_commit_record`: the record of one shard in an object of its own,
+the commit point on object storage); the backends read, append and repair them.
 
 Rules every reader and writer of the ledger follows (all enforced here):
 
@@ -11,64 +14,25 @@ Rules every reader and writer of the ledger follows (all enforced here):
 - **The last line.** A ledger line is committed once it is complete. The last line of a
   ledger may lack its newline: if it starts with a complete JSON value it counts (and must
   be a valid record and nothing else, like every other line); if it does not (a write cut
-  short: a prefix of a line), it does not count. :func:`read_ledgers` and
-  :func:`drop_torn_tail` (the writer's resume, which then adds the newline or cuts the
-  torn line off) decide with the same function, so a reader and a resumed writer never
-  disagree about a record. Every other line must be a valid record: a damaged line is an
-  error naming the ledger and line, never skipped.
-- **Shard checksums.** A record's ``crc32`` is that of its shard's bytes
-  (:func:`file_crc32`).
+  short: a prefix of a line), it does not count. The reader and the writer's resume
+  (which then adds the newline or cuts the torn line off) decide with :func:`scan_ledger`,
+  so they never disagree about a record. Every other line must be a valid record: a
+  damaged line is an error naming the ledger and line, never skipped.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.names import (
-    check_own_path,
-    fsync_dir,
-    ledger_rank,
-    open_own_file,
-    read_store_json,
-    shard_rank_and_seq,
-    write_all,
-)
-from lightning_iocatch.store.records import ShardRecord, format_version, parse_record
+from lightning_iocatch.store.names import ledger_rank, shard_name, shard_rank_and_seq
+from lightning_iocatch.store.records import ShardRecord, parse_record
 
-__all__ = [
-    "LedgerEntry",
-    "LedgerScan",
-    "append_ledger",
-    "drop_torn_tail",
-    "file_crc32",
-    "read_ledger_entries",
-    "read_ledgers",
-    "scan_ledger",
-]
+__all__ = ["LedgerEntry", "LedgerScan", "read_commit_record", "scan_ledger"]
 
 _JSON = json.JSONDecoder()
-
-
-# The ledger
-
-
-def append_ledger(path: Path, record: ShardRecord) -> None:
-    """Append one line and make it durable before returning.
-
-    ``path`` must be a ledger name inside the store; a symbolic link there is refused.
-    """
-    root = path.parent
-    created = not os.path.lexists(path)
-    with open_own_file(root, path.name, "ab") as handle:
-        write_all(handle, (record.to_json() + "\n").encode("ascii"))
-        os.fsync(handle.fileno())
-    if created:
-        fsync_dir(root)
 
 
 @dataclass(frozen=True)
@@ -152,76 +116,20 @@ def _utf8_problem(raw: bytes) -> str | None:
     return None
 
 
-def _version(root: Path) -> int:
-    return format_version(read_store_json(root)["format"])
-
-
-def _ledger_paths(root: Path) -> list[Path]:
-    found = sorted(
-        (rank, entry.name)
-        for entry in os.scandir(root)
-        if (rank := ledger_rank(entry.name)) is not None
-    )
-    return [check_own_path(root, name) for _, name in found]
-
-
-def read_ledger_entries(root: Path) -> list[LedgerEntry]:
-    """Every committed record of every rank with its ledger line, in rank then ledger order.
-
-    Raises :class:`StoreError` naming the ledger and line for any damage (see the module
-    docstring for what counts as committed).
-    """
-    version = _version(root)
-    entries: list[LedgerEntry] = []
-    for path in _ledger_paths(root):
-        try:
-            with open_own_file(root, path.name, "rb") as handle:
-                data = handle.read()
-        except OSError as error:
-            raise StoreError(f"cannot read ledger {path}: {error}") from error
-        entries += scan_ledger(path, data, version=version).entries
-    return entries
-
-
-def read_ledgers(root: Path) -> list[ShardRecord]:
-    """Every committed shard of every rank, in rank then ledger order.
-
-    A torn last line (the process died while appending it) does not count; a complete last
-    line without its newline does. Damage anywhere is an error naming the file and line.
-    """
-    return [entry.record for entry in read_ledger_entries(root)]
-
-
-def drop_torn_tail(path: Path) -> None:
-    """Make a ledger end in a newline before appending to it, keeping every committed line.
-
-    A torn last line (one that :func:`read_ledgers` does not count) is cut off; a complete
-    last line without its newline (which it does count) gets its newline.
-    """
-    root = path.parent
-    if not os.path.lexists(path):
-        return
-    version = _version(root)
-    with open_own_file(root, path.name, "r+b") as handle:
-        data = handle.read()
-        scan = scan_ledger(path, data, version=version)
-        if scan.torn:
-            handle.truncate(scan.end)
-        elif scan.unterminated:
-            handle.seek(len(data))
-            write_all(handle, b"\n")
-        else:
-            return
-        os.fsync(handle.fileno())
-
-
 # Checksums of shards
 
 
-def file_crc32(path: Path, chunk: int = 16 << 20) -> int:
-    """CRC-32 of a file's bytes."""
-    crc = 0
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return crc
+def read_commit_record(
+    where: str, named: tuple[int, int], data: bytes, version: int
+) -> LedgerEntry:
+    """The commit record ``data`` of the shard ``named`` ``(rank, seq)``, read at ``where``
+    (a store of format ``/{version}``), once valid; damage is a :class:`StoreError`."""
+    try:
+        record = ShardRecord.from_json(data.decode("utf-8"), version=version)
+    except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
+        raise StoreError(f"commit record {where} is damaged: {error}") from error
+    if record.file != shard_name(*named):
+        raise StoreError(
+            f"commit record {where} is damaged: it records {record.file}, not {shard_name(*named)}"
+        )
+    return LedgerEntry(where, 0, record)

@@ -1,15 +1,15 @@
-"""The store's own files: their names, opening them safely, and ``store.json``.
+"""The store's names: its files and objects, its reserved keys, its format, ``store.json``.
 
-A store is a directory::
+A store is a directory (or a prefix on object storage)::
 
     store.json                      what was captured, how, with which library versions
     shard-r{rank}-{seq}.safetensors captured tensors: "b{j}/{key}" and "b{j}/__index__"
-    ledger-r{rank}.jsonl            one JSON line per complete shard, appended after it
+    ledger-r{rank}.jsonl            one JSON line per complete shard, appended after it (on disk)
+    commits/r{rank}-{seq}.json      the record of one complete shard (on object storage)
 
-A shard exists under its final name only once complete (written to ``.tmp``, fsynced,
-renamed), and counts only once its ledger line is written (see
-:mod:`lightning_iocatch.store.ledger`). Anything else in the directory (a ``.tmp`` file, a shard
-without a ledger line) is debris of an interrupted run.
+A shard counts only once its record is written: a ledger line (see
+:mod:`lightning_iocatch.store.ledger`) or a commit record. Anything else (a ``.tmp`` file, a
+shard without a record) is debris of an interrupted run.
 
 A store reads and writes only its own files, directly inside its directory: ``store.json``,
 ``ledger-r{rank:03d}.jsonl`` and ``shard-r{rank:03d}-{seq:06d}.safetensors`` (plus ``.tmp``
@@ -20,16 +20,14 @@ where it resolves to a file directly inside the directory, and never written thr
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import stat
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any
 
 from lightning_iocatch.errors import StoreError
 
 __all__ = [
+    "COMMITS",
     "FORMAT",
     "INDEX_KEY",
     "POSITION_KEY",
@@ -37,19 +35,16 @@ __all__ = [
     "TOKEN_ID_KEY",
     "READABLE_FORMATS",
     "STORE_FILE",
-    "check_own_path",
     "check_store_json",
-    "fsync_dir",
+    "commit_name",
+    "commit_rank_and_seq",
+    "is_own_object",
     "is_serializer_temp",
     "is_store_file",
     "ledger_name",
     "ledger_rank",
-    "open_own_file",
-    "read_store_json",
     "shard_name",
     "shard_rank_and_seq",
-    "write_all",
-    "write_json_atomic",
 ]
 
 FORMAT = "lightning-iocatch-store/3"
@@ -114,126 +109,34 @@ def is_serializer_temp(name: str) -> bool:
     return _SERIALIZER_TEMP.fullmatch(name) is not None
 
 
-# Paths: only the store's own files, directly inside its directory
+COMMITS = "commits"
 
 
-def check_own_path(root: Path, name: str, *, for_writing: bool = False) -> Path:
-    """``root / name`` once it is sure to be one of the store's own files inside ``root``.
-
-    ``name`` must be a name the store writes (:func:`is_store_file`): a plain file name,
-    never a path. For reading, a symbolic link is accepted only where it resolves to a file
-    directly inside ``root``; for writing (and truncating, deleting), a symbolic link is
-    refused outright. Raises :class:`StoreError` naming the path otherwise.
-
-    This checks the directory as it is now: it does not protect against another process
-    swapping files in it between this check and the use (:func:`open_own_file` closes that
-    gap for writing with ``O_NOFOLLOW``).
-    """
-    if not isinstance(name, str) or not is_store_file(name):
-        raise StoreError(
-            f"{name!r} is not a file name of a feature store ({STORE_FILE}, "
-            f"{ledger_name(0)}, {shard_name(0, 0)}); a store touches only its own files "
-            f"inside {root}"
-        )
-    path = root / name
-    if not path.is_symlink():
-        return path
-    if for_writing:
-        raise StoreError(
-            f"{path} is a symbolic link; a feature store never writes through one: remove it"
-        )
-    target = path.resolve()
-    if target.parent != root.resolve():
-        raise StoreError(
-            f"{path} is a symbolic link to {target}, outside the store; a feature store reads "
-            "only its own files inside its directory"
-        )
-    return path
+_COMMIT = re.compile(r"commits/r([0-9]{3,})-([0-9]{6,})\.json", re.ASCII)
 
 
-_MODES: dict[str, int] = {
-    "rb": os.O_RDONLY,
-    "r+b": os.O_RDWR,
-    "ab": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-    "xb": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-}
+def commit_name(rank: int, seq: int) -> str:
+    """The name of the commit record of a rank's ``seq``-th shard."""
+    return f"{COMMITS}/r{rank:03d}-{seq:06d}.json"
 
 
-def open_own_file(root: Path, name: str, mode: Literal["rb", "r+b", "ab", "xb"]) -> IO[bytes]:
-    """Open one of the store's own files (see :func:`check_own_path`), unbuffered.
-
-    Modes other than ``"rb"`` never follow a symbolic link (``O_NOFOLLOW``), and new files
-    get ``0o666`` less the process's umask, like any file ``open`` creates.
-    """
-    if mode not in _MODES:
-        raise ValueError(f"`mode` must be one of {sorted(_MODES)}, got {mode!r}")
-    writing = mode != "rb"
-    path = check_own_path(root, name, for_writing=writing)
-    flags = _MODES[mode] | os.O_CLOEXEC | (os.O_NOFOLLOW if writing else 0)
-    try:
-        fd = os.open(path, flags, 0o666)
-    except OSError as error:
-        if os.path.islink(path):
-            raise StoreError(
-                f"{path} is a symbolic link; a feature store never writes through one: remove it"
-            ) from error
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StoreError(f"{path} is not a regular file")
-        return os.fdopen(fd, "wb" if mode == "xb" else mode, buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
+def commit_rank_and_seq(name: str) -> tuple[int, int] | None:
+    """``(rank, seq)`` of a commit record's name, else ``None``."""
+    match = _COMMIT.fullmatch(name)
+    if match is None:
+        return None
+    rank, seq = int(match.group(1)), int(match.group(2))
+    return (rank, seq) if commit_name(rank, seq) == name else None
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_all(handle: IO[bytes], data: bytes | memoryview) -> None:
-    """Write all of ``data`` to an unbuffered ``handle`` (which may write less per call)."""
-    view = memoryview(data)
-    while view:
-        written = handle.write(view)
-        view = view[written or 0 :]
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path``: a temporary file, fsync, rename.
-
-    ``path`` must be one of the store's own names (see :func:`check_own_path`); the file
-    gets the permissions of the process's umask.
-    """
-    root, tmp = path.parent, path.name + ".tmp"
-    check_own_path(root, path.name, for_writing=True)
-    (root / tmp).unlink(missing_ok=True)  # debris of a killed run (a link is removed, not followed)
-    with open_own_file(root, tmp, "xb") as handle:
-        write_all(handle, json.dumps(data, indent=2, sort_keys=True).encode())
-        os.fsync(handle.fileno())
-    os.replace(root / tmp, path)
-    fsync_dir(root)
-
-
-def read_store_json(root: Path) -> dict[str, Any]:
-    """The store's ``store.json``; a clear error when ``root`` is not a store or it is damaged."""
-    path = root / STORE_FILE
-    if not root.is_dir() or not (path.is_file() or path.is_symlink()):
-        raise StoreError(
-            f"{root} is not a feature store: it has no {STORE_FILE} (stores are written by "
-            "lightning_iocatch.FeatureWriter)"
-        )
-    try:
-        with open_own_file(root, STORE_FILE, "rb") as handle:
-            data = json.loads(handle.read().decode("utf-8"))
-    except (OSError, ValueError) as error:
-        raise StoreError(f"cannot read {path}: {error}") from error
-    return check_store_json(data, path)
+def is_own_object(name: str) -> bool:
+    """True for every name a store writes on object storage (relative to its prefix)."""
+    return (
+        name == STORE_FILE
+        or shard_rank_and_seq(name.removesuffix(".tmp")) is not None
+        or commit_rank_and_seq(name) is not None
+        or ledger_rank(name) is not None
+    )
 
 
 def check_store_json(data: Any, path: Path | str) -> dict[str, Any]:

@@ -16,15 +16,11 @@ from typing import Any, Literal
 import torch
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.backends.location import StoreLocation, resolve_location
+from lightning_iocatch.store.backends.base import StoreBackend
+from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.ledger import LedgerEntry
-from lightning_iocatch.store.shard_access import (
-    open_committed,
-    read_header_and_indices,
-    read_shard_tensors,
-    shard_checksum,
-)
-from lightning_iocatch.store.stored_batches import StoredBatch, read_first_commits
+from lightning_iocatch.store.names import INDEX_KEY
+from lightning_iocatch.store.stored_batches import StoredBatch, check_header, read_first_commits
 from lightning_iocatch.suggest import close_names
 
 __all__ = ["FeatureStore"]
@@ -84,14 +80,14 @@ class FeatureStore:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | StoreBackend,
         *,
         dataloader_idx: int = 0,
         on_duplicate: OnDuplicate = "error",
         verify: bool = False,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        location = resolve_location(path, storage_options)
+        backend = open_backend(path, storage_options)
         if type(dataloader_idx) is not int:
             raise TypeError(f"`dataloader_idx` must be an int, got {dataloader_idx!r}")
         if dataloader_idx < 0:
@@ -100,9 +96,11 @@ class FeatureStore:
             raise ValueError(f"`on_duplicate` must be one of {_ON_DUPLICATE}, got {on_duplicate!r}")
         if not isinstance(verify, bool):
             raise TypeError(f"`verify` must be True or False, got {verify!r}")
-        self.path: StoreLocation = location
+        self.path = backend  # str(store.path): the location as given
         self.dataloader_idx = dataloader_idx
-        self._info, entries, self._shards, self._sources = open_committed(location)
+        self._info = backend.read_info()
+        entries = backend.committed(self._info["format"])
+        self._shards = backend.open_shards(entries)
         self._records = [entry.record for entry in entries]
         if verify:
             self.verify()
@@ -119,7 +117,6 @@ class FeatureStore:
             if any(b.dataloader_idx == dataloader_idx for b in entry.record.batches)
             for batch in self._read_batches(entry)
         ]
-        self._sources.clear()  # what they held is in the batches now
         self._duplicated = self._find_duplicates(on_duplicate)
         kept = [batch.kept_indices for batch in self._batches]
         self._row_indices = torch.cat(kept) if kept else torch.empty(0, dtype=torch.int64)
@@ -134,9 +131,10 @@ class FeatureStore:
         """This dataloader's batches of one shard, its header checked against the record."""
         record, shard = entry.record, self._shards[entry.record.file]
         mine = [p for p, b in enumerate(record.batches) if b.dataloader_idx == self.dataloader_idx]
-        stored, indices = read_header_and_indices(entry, self._sources[record.file], mine)
+        stored = check_header(shard.header(), entry, shard)
+        indices = shard.read([f"b{position}/{INDEX_KEY}" for position in mine])
         batches = []
-        for position, index in indices.items():
+        for position, index in zip(mine, indices.values(), strict=True):
             record.batches[position].check_indices(index, f"shard {shard} batch {position}")
             batches.append(
                 StoredBatch(
@@ -309,7 +307,7 @@ class FeatureStore:
         for shard, group in itertools.groupby(self._holders(key), key=lambda b: b.shard):
             batches = list(group)
             names = [f"b{b.position}/{key}" for b in batches]
-            tensors = read_shard_tensors(shard, names)
+            tensors = shard.read(names)
             parts = [(b, tensors[name]) for b, name in zip(batches, names, strict=True)]
             for batch, tensor in parts:
                 if tuple(tensor.shape) != batch.shapes[key]:  # the file changed since opening
@@ -397,7 +395,7 @@ class FeatureStore:
         """Check every shard's CRC-32 against its ledger record (reads every byte)."""
         for record in self._records:
             shard = self._shards[record.file]
-            if shard_checksum(shard) != record.crc32:
+            if shard.crc32() != record.crc32:
                 raise StoreError(f"shard {shard} does not match its checksum: it is corrupted")
 
     def __repr__(self) -> str:

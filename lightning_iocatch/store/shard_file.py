@@ -15,9 +15,7 @@ from typing import IO, Any
 
 import torch
 
-from lightning_iocatch.store.names import write_all
-
-__all__ = ["STORABLE_DTYPES", "dtype_name", "write_safetensors"]
+__all__ = ["STORABLE_DTYPES", "dtype_name", "write_all", "write_safetensors"]
 
 STORABLE_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
@@ -45,6 +43,14 @@ STORABLE_DTYPES: dict[torch.dtype, str] = {
 def dtype_name(dtype: torch.dtype) -> str:
     """The name a ledger record gives ``dtype`` (``"float32"`` for ``torch.float32``)."""
     return str(dtype).removeprefix("torch.")
+
+
+def write_all(handle: IO[bytes], data: bytes | memoryview) -> None:
+    """Write all of ``data`` to an unbuffered ``handle`` (which may write less per call)."""
+    view = memoryview(data)
+    while view:
+        written = handle.write(view)
+        view = view[written or 0 :]
 
 
 def write_safetensors(

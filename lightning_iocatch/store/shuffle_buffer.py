@@ -3,9 +3,9 @@ stored rows read a few at a time into a bounded shuffle buffer.
 
 A :class:`Block` is the rows read from one stored batch; :func:`segments` cuts a run of
 rows of blocks laid end to end into row ranges of each block; a :class:`BlockReader`
-reads those ranges from their shards (memory-mapped or with ranged reads, through
-:mod:`lightning_iocatch.store.shard_access`); a :class:`ShuffleBuffer` holds a fixed number
-of rows and hands out batches drawn at random from them.
+reads those ranges from their shards (memory-mapped or with ranged reads: each shard's
+:class:`~lightning_iocatch.store.backends.base.Shard` knows how); a :class:`ShuffleBuffer`
+holds a fixed number of rows and hands out batches drawn at random from them.
 """
 
 from __future__ import annotations
@@ -15,14 +15,12 @@ import collections
 import itertools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.backends.ranged_reads import RemoteShard
-from lightning_iocatch.store.shard_access import read_shard_rows
+from lightning_iocatch.store.backends.base import Shard
 
 __all__ = ["Block", "BlockReader", "Column", "ShuffleBuffer", "segments"]
 
@@ -31,7 +29,7 @@ __all__ = ["Block", "BlockReader", "Column", "ShuffleBuffer", "segments"]
 class Block:
     """The rows read from one stored batch: ``b{position}/...`` of one shard."""
 
-    shard: Path | RemoteShard
+    shard: Shard
     position: int
     rows: int
     keep: torch.Tensor | None  # stored positions of the rows read; None: all, in order
@@ -81,7 +79,7 @@ class BlockReader:
         if block.keep is not None:  # rows low..high of the stored batch, then those kept
             wanted = block.keep[first:stop]
             low, high = int(wanted[0]), int(wanted[-1]) + 1
-        read = read_shard_rows(block.shard, names, low, high)
+        read = block.shard.read_rows(names, low, high)
         for key, name in zip(self._stored_names, names, strict=True):
             rows[key] = read[name] if wanted is None else read[name][wanted - low]
         if any(part.shape[0] != stop - first for part in rows.values()):

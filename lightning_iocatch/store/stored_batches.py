@@ -1,8 +1,8 @@
-"""The shards of a store as the reader sees them, checked against their ledger records.
+"""The batches of a store as the reader sees them, checked against their records.
 
 Before :class:`~lightning_iocatch.FeatureStore` reads any tensor, every committed shard must
-be one of the store's own files with the size its record gives (:func:`check_shards`), and
-its safetensors header must agree with the record: batches, keys, dtypes and shapes
+be there with the size its record gives (the backend's ``open_shards``), and its
+safetensors header must agree with the record: batches, keys, dtypes and shapes
 (:func:`check_header`). Each batch the reader keeps is a :class:`StoredBatch`;
 :func:`read_first_commits` decides which of its rows are read when an index is stored twice.
 """
@@ -10,23 +10,18 @@ its safetensors header must agree with the record: batches, keys, dtypes and sha
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_iocatch.errors import StoreError
+from lightning_iocatch.store.backends.base import Shard
 from lightning_iocatch.store.ledger import LedgerEntry
-from lightning_iocatch.store.names import INDEX_KEY, check_own_path
+from lightning_iocatch.store.names import INDEX_KEY
 from lightning_iocatch.store.shard_file import STORABLE_DTYPES, dtype_name
 
-if TYPE_CHECKING:
-    from lightning_iocatch.store.backends.ranged_reads import RemoteShard
-
-__all__ = ["StoredBatch", "check_header", "check_shards", "read_first_commits"]
+__all__ = ["StoredBatch", "check_header", "read_first_commits"]
 
 _TENSOR_NAME = re.compile(r"b(0|[1-9][0-9]*)/(.+)", re.ASCII | re.DOTALL)
 # safetensors' dtype codes, by the names FeatureWriter records; F8_E8M0 is read, never written
@@ -36,12 +31,9 @@ _DTYPES["F8_E8M0"] = "float8_e8m0fnu"
 
 @dataclass(frozen=True)
 class StoredBatch:
-    """One stored batch of the store's dataloader, as its shard's header describes it.
+    """One stored batch of the store's dataloader, as its shard's header describes it."""
 
-    ``shard`` is the file of a local store, or the object of a store on object storage.
-    """
-
-    shard: Path | RemoteShard
+    shard: Shard
     position: int
     shapes: dict[str, tuple[int, ...]]  # key -> stored shape (rows first, unless per batch)
     dtypes: dict[str, str]  # key -> dtype
@@ -60,36 +52,8 @@ class StoredBatch:
         return self.kept(self.indices)
 
 
-def check_shards(root: Path, entries: list[LedgerEntry]) -> dict[str, Path]:
-    """Each committed shard's path by name, once it is present with its recorded size."""
-    shards: dict[str, Path] = {}
-    first: dict[str, LedgerEntry] = {}
-    for entry in entries:
-        record = entry.record
-        if record.file in first:
-            raise StoreError(
-                f"shard {record.file} is recorded twice, in {first[record.file].where} and "
-                f"{entry.where}: the ledger is damaged"
-            )
-        first[record.file] = entry
-        shard = check_own_path(root, record.file)
-        if not shard.is_file():
-            problem = "is not a regular file" if os.path.lexists(shard) else "missing"
-            raise StoreError(
-                f"shard {shard} is in the ledger ({entry.where}) but {problem} on disk"
-            )
-        size = shard.stat().st_size
-        if size != record.bytes:
-            raise StoreError(
-                f"shard {shard} is {size} bytes, the ledger says {record.bytes} "
-                f"({entry.where}): it was truncated or replaced"
-            )
-        shards[record.file] = shard
-    return shards
-
-
 def check_header(
-    header: dict[str, tuple[str, list[int]]], entry: LedgerEntry, shard: Path | str
+    header: dict[str, tuple[str, list[int]]], entry: LedgerEntry, shard: Shard | str
 ) -> list[dict[str, tuple[int, ...]]]:
     """The shape of each key of each batch, once the header agrees with the ledger record."""
     record = entry.record

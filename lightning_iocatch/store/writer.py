@@ -24,24 +24,15 @@ import queue
 import sys
 import threading
 from collections.abc import Collection, Mapping, Sequence
-from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.backends.location import ObjectLocation, resolve_location
-from lightning_iocatch.store.backends.objects import commit_shard, write_shard_object
+from lightning_iocatch.store.backends.base import StoreBackend
+from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.exactly_once import RowSelector, SelectedBatch
-from lightning_iocatch.store.ledger import append_ledger
-from lightning_iocatch.store.names import (
-    FORMAT,
-    INDEX_KEY,
-    fsync_dir,
-    ledger_name,
-    open_own_file,
-    shard_name,
-)
+from lightning_iocatch.store.names import FORMAT, INDEX_KEY, shard_name
 from lightning_iocatch.store.plan import StorePlan
 from lightning_iocatch.store.records import ShardRecord
 from lightning_iocatch.store.shard_file import dtype_name, write_safetensors
@@ -112,6 +103,7 @@ class ShardWriter:
 
     Example:
         >>> import tempfile
+        >>> from pathlib import Path
         >>> from lightning_iocatch.store.plan import prepare_store
         >>> path = Path(tempfile.mkdtemp()) / "store"
         >>> plan = prepare_store(path, "create", {"spec": None, "stage": "predict", "dtype": None})
@@ -127,7 +119,7 @@ class ShardWriter:
 
     def __init__(
         self,
-        path: str | os.PathLike[str] | ObjectLocation,
+        path: str | os.PathLike[str] | StoreBackend,
         *,
         rank: int,
         plan: StorePlan,
@@ -139,7 +131,7 @@ class ShardWriter:
     ) -> None:
         if sys.byteorder != "little":
             raise StoreError("the feature store format is little-endian; this machine is not")
-        self.path = resolve_location(path, storage_options)
+        self.path = open_backend(path, storage_options)
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
         self.durable = durable
@@ -312,51 +304,17 @@ class ShardWriter:
         return any(dtypes.get(key, t.dtype) != t.dtype for key, t in item.tensors.items())
 
     def _write_shard(self, batches: list[SelectedBatch]) -> None:
+        """The shard, then its record: the commit point (see :mod:`~.backends.base`)."""
         name = shard_name(self.rank, self._next_seq)
-        if isinstance(self.path, ObjectLocation):
-            location = self.path
-            crc, size = write_shard_object(
-                location, name, lambda handle: _serialize(handle, batches, self.rank, self._cancel)
-            )
-            commit_shard(location, _record(name, self.rank, crc, size, batches))
-        else:
-            crc, size = self._write_file(self.path, name, batches)
-            try:
-                append_ledger(
-                    self.path / ledger_name(self.rank),
-                    _record(name, self.rank, crc, size, batches),
-                )
-            except OSError as error:
-                raise StoreError(
-                    f"shard {self.path / name} was written but its ledger line could not be: "
-                    f"{error}"
-                ) from error
+        crc, size = self.path.write_shard(
+            name,
+            lambda handle: _serialize(handle, batches, self.rank, self._cancel),
+            durable=self.durable,
+        )
+        self.path.commit(_record(name, self.rank, crc, size, batches), durable=self.durable)
         self._next_seq += 1
         self.rows_written += sum(batch.record.rows for batch in batches)
         self.bytes_written += size
-
-    def _write_file(self, root: Path, name: str, batches: list[SelectedBatch]) -> tuple[int, int]:
-        """POSIX: write to ``.tmp``, fsync, rename, fsync the directory; CRC-32 and size."""
-        tmp, final = root / (name + ".tmp"), root / name
-        created = False
-        try:
-            with open_own_file(root, tmp.name, "xb") as handle:
-                created = True
-                crc, size = _serialize(handle, batches, self.rank, self._cancel)
-                if self.durable:
-                    os.fsync(handle.fileno())
-            os.replace(tmp, final)
-            created = False
-            if self.durable:
-                fsync_dir(root)
-        except BaseException as error:
-            if created:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
-            if isinstance(error, OSError):
-                raise StoreError(f"could not write shard {final}: {error}") from error
-            raise
-        return crc, size
 
 
 def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBatch]) -> ShardRecord:

@@ -1,4 +1,4 @@
-"""Run by tests/test_ddp.py: 2-process CPU DDP predict and validate with IOCaptureCallback.
+"""Run by tests/lightning/test_ddp.py: 2-process CPU DDP predict and validate, captured.
 
     python tests/scripts/ddp_capture.py OUT_DIR
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_store.py: a predict dump through FeatureWriter, in its own process.
+"""Run by tests/store/test_store.py: a predict dump through FeatureWriter, in its own process.
 
     python tests/scripts/dump_features.py PATH [--mode M] [--kill-at-batch K] [--devices 2] ...
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_token_rows.py: a token-row dump of a tiny Llama with 2 DDP processes.
+"""Run by tests/store/test_token_rows.py: a token-row dump of a tiny Llama with 2 DDP processes.
 
     python tests/scripts/dump_tokens.py PATH
 
@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, TokenRows
-from tests.test_token_rows import EOS, LAYER, Decoder, Sentences, pad
+from tests.store.test_token_rows import EOS, LAYER, Decoder, Sentences, pad
 
 
 class SlowRank1(Decoder):

@@ -1,8 +1,10 @@
-"""The store on object storage: a shard object, then its commit record object.
+"""A store on object storage: a shard object, then its commit record object.
 
 Object stores (S3, GCS, Azure Blob, fsspec's ``memory://``) have no rename and no append,
-so the POSIX protocol of :mod:`lightning_iocatch.store.ledger` (temporary name, rename, an
-appended ledger line) cannot be used there. A store at a prefix holds::
+so the POSIX protocol of :mod:`~lightning_iocatch.store.backends.local` (temporary name,
+rename, an appended ledger line) cannot be used there. :class:`ObjectBackend` implements
+the store's one interface (:mod:`~lightning_iocatch.store.backends.base`) with its own
+protocol instead. A store at a prefix holds::
 
     store.json                          as on disk, written once (by rank 0, before any shard)
     shard-r{rank:03d}-{seq:06d}.safetensors   as on disk
@@ -30,8 +32,8 @@ The protocol, with every request made through the URL's fsspec filesystem:
 A store written on disk and copied to object storage (``aws s3 sync``) commits its shards
 with ledgers (``ledger-r000.jsonl``) instead; a store downloaded from object storage keeps
 its ``commits/`` folder. Both commit points are read wherever the store lives
-(:func:`read_commit_entries`, :func:`read_commit_files`): a shard named by either counts,
-and resume deletes neither.
+(:func:`read_commit_entries` here; the local backend reads ``commits/``): a shard named by
+either counts, and resume deletes neither.
 
 Not protected against: two runs writing one prefix at once, and an object store whose
 listing does not show an object written before it (S3 and GCS list strongly consistently).
@@ -43,79 +45,44 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.backends.location import (
+from lightning_iocatch.store.backends.base import Shard, StoreBackend, Write
+from lightning_iocatch.store.backends.ranged_reads import open_remote_shards
+from lightning_iocatch.store.backends.remote import (
     ObjectLocation,
-    StoreLocation,
     is_missing_bucket,
     is_remote_failure,
     remote_error,
     remote_request,
 )
-from lightning_iocatch.store.ledger import LedgerEntry, scan_ledger
+from lightning_iocatch.store.ledger import LedgerEntry, read_commit_record, scan_ledger
 from lightning_iocatch.store.names import (
     STORE_FILE,
     check_store_json,
+    commit_name,
+    commit_rank_and_seq,
+    is_own_object,
     ledger_rank,
-    read_store_json,
-    shard_name,
     shard_rank_and_seq,
 )
 from lightning_iocatch.store.records import ShardRecord, format_version
 
 __all__ = [
-    "COMMITS",
-    "commit_name",
-    "commit_rank_and_seq",
+    "ObjectBackend",
     "commit_shard",
     "delete_objects",
-    "is_own_object",
     "list_objects",
     "read_commit_entries",
-    "read_commit_files",
     "read_object",
     "read_store_info",
     "write_object",
     "write_shard_object",
 ]
-
-COMMITS = "commits"
-_COMMIT = re.compile(r"commits/r([0-9]{3,})-([0-9]{6,})\.json", re.ASCII)
-T = TypeVar("T")
-
-
-def commit_name(rank: int, seq: int) -> str:
-    """The name of the commit record of a rank's ``seq``-th shard."""
-    return f"{COMMITS}/r{rank:03d}-{seq:06d}.json"
-
-
-def commit_rank_and_seq(name: str) -> tuple[int, int] | None:
-    """``(rank, seq)`` of a commit record's name, else ``None``."""
-    match = _COMMIT.fullmatch(name)
-    if match is None:
-        return None
-    rank, seq = int(match.group(1)), int(match.group(2))
-    return (rank, seq) if commit_name(rank, seq) == name else None
-
-
-def is_own_object(name: str) -> bool:
-    """True for every name a store writes on object storage (relative to its prefix)."""
-    return (
-        name == STORE_FILE
-        or shard_rank_and_seq(name.removesuffix(".tmp")) is not None
-        or commit_rank_and_seq(name) is not None
-        or ledger_rank(name) is not None
-    )
-
-
-# Requests
 
 
 def list_objects(location: ObjectLocation) -> dict[str, int]:
@@ -184,7 +151,7 @@ def delete_objects(location: ObjectLocation, names: Iterable[str]) -> None:
         )
 
 
-def write_shard_object(location: ObjectLocation, name: str, write: Callable[[IO[bytes]], T]) -> T:
+def write_shard_object(location: ObjectLocation, name: str, write: Write) -> tuple[int, int]:
     """Upload the shard object ``name`` with ``write(handle)``, as plain fsspec writes do.
 
     The upload is completed when the handle closes (for S3, one PUT, or a multipart upload
@@ -221,34 +188,6 @@ def commit_shard(location: ObjectLocation, record: ShardRecord) -> None:
     write_object(location, commit_name(*named), (record.to_json() + "\n").encode("ascii"))
 
 
-# Reading what is committed
-
-
-def read_store_info(location: StoreLocation) -> dict[str, Any]:
-    """The store's ``store.json`` (on disk or on object storage), checked."""
-    if isinstance(location, Path):
-        return read_store_json(location)
-    where = location.url_of(STORE_FILE)
-    try:
-        raw = location.fs.cat_file(location.path(STORE_FILE))
-    except FileNotFoundError as error:
-        if is_missing_bucket(error):
-            raise remote_error("read", where, error) from error
-        raise StoreError(
-            f"{location.url} is not a feature store: it has no {STORE_FILE} (stores are "
-            "written by lightning_iocatch.FeatureWriter)"
-        ) from error
-    except Exception as error:
-        if not is_remote_failure(error):
-            raise
-        raise remote_error("read", where, error) from error
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except ValueError as error:
-        raise StoreError(f"cannot read {where}: {error}") from error
-    return check_store_json(data, where)
-
-
 def read_commit_entries(
     location: ObjectLocation, listing: dict[str, int], *, store_format: str
 ) -> list[LedgerEntry]:
@@ -276,7 +215,7 @@ def read_commit_entries(
             raise remote_error("read", location.url_of(name), failure)
     version = format_version(store_format)
     entries = [
-        _commit_entry(location.url_of(name), named, data, version)
+        read_commit_record(location.url_of(name), named, data, version)
         for (named, name), data in zip(commits, fetched[: len(commits)], strict=True)
     ]
     for name, data in zip(ledgers, fetched[len(commits) :], strict=True):
@@ -289,43 +228,101 @@ def read_commit_entries(
     return sorted(entries, key=lambda entry: entry.commit_order)
 
 
-def read_commit_files(root: Path, *, store_format: str) -> list[LedgerEntry]:
-    """The commit records in ``root/commits`` of a local store (one written on object
-    storage and downloaded), by rank then sequence number; other files there are ignored."""
-    folder = root / COMMITS
-    if folder.is_symlink():
-        raise StoreError(
-            f"{folder} is a symbolic link; a feature store reads only its own files inside "
-            "its directory"
-        )
-    if not folder.is_dir():
-        return []
-    found = sorted(
-        (named, name)
-        for name in os.listdir(folder)
-        if (named := commit_rank_and_seq(f"{COMMITS}/{name}")) is not None
-    )
-    entries = []
-    for named, name in found:
-        path = folder / name
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as handle:
-                data = handle.read()
-        except OSError as error:
-            raise StoreError(f"cannot read commit record {path}: {error}") from error
-        entries.append(_commit_entry(str(path), named, data, format_version(store_format)))
-    return entries
-
-
-def _commit_entry(where: str, named: tuple[int, int], data: bytes, version: int) -> LedgerEntry:
-    """The commit record ``data`` of the ``named`` shard, read at ``where``, once valid."""
+def read_store_info(location: ObjectLocation) -> dict[str, Any]:
+    """The store's ``store.json``, checked."""
+    where = location.url_of(STORE_FILE)
     try:
-        record = ShardRecord.from_json(data.decode("utf-8"), version=version)
-    except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
-        raise StoreError(f"commit record {where} is damaged: {error}") from error
-    if record.file != shard_name(*named):
+        raw = location.fs.cat_file(location.path(STORE_FILE))
+    except FileNotFoundError as error:
+        if is_missing_bucket(error):
+            raise remote_error("read", where, error) from error
         raise StoreError(
-            f"commit record {where} is damaged: it records {record.file}, not {shard_name(*named)}"
-        )
-    return LedgerEntry(where, 0, record)
+            f"{location.url} is not a feature store: it has no {STORE_FILE} (stores are "
+            "written by lightning_iocatch.FeatureWriter)"
+        ) from error
+    except Exception as error:
+        if not is_remote_failure(error):
+            raise
+        raise remote_error("read", where, error) from error
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as error:
+        raise StoreError(f"cannot read {where}: {error}") from error
+    return check_store_json(data, where)
+
+
+class ObjectBackend(StoreBackend):
+    """A store at a prefix on object storage (see the module docstring)."""
+
+    place = "under the prefix"
+    commit_point = "commit record"
+
+    def __init__(self, location: ObjectLocation) -> None:
+        self.location = location
+        self._listing: dict[str, int] | None = None  # of the last committed(): one LIST less
+
+    def __str__(self) -> str:
+        return self.location.url
+
+    def __repr__(self) -> str:
+        return f"ObjectBackend({self.location.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectBackend) and other.location == self.location
+
+    def __hash__(self) -> int:
+        return hash(self.location)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"location": self.location, "_listing": None}
+
+    def has_info(self) -> bool:
+        return STORE_FILE in list_objects(self.location)
+
+    def read_info(self) -> dict[str, Any]:
+        return read_store_info(self.location)
+
+    def write_info(self, info: Mapping[str, Any]) -> None:
+        write_object(self.location, STORE_FILE, json.dumps(info, indent=2, sort_keys=True).encode())
+
+    def names(self) -> dict[str, int]:
+        return list_objects(self.location)
+
+    def committed(self, store_format: str) -> list[LedgerEntry]:
+        self._listing = list_objects(self.location)
+        return read_commit_entries(self.location, self._listing, store_format=store_format)
+
+    def open_shards(self, entries: Sequence[LedgerEntry]) -> dict[str, Shard]:
+        listing, self._listing = self._listing, None
+        return open_remote_shards(self.location, entries, listing or list_objects(self.location))
+
+    def write_shard(self, name: str, write: Write, *, durable: bool) -> tuple[int, int]:
+        """A completed upload is durable: ``durable`` changes nothing here."""
+        return write_shard_object(self.location, name, write)
+
+    def commit(self, record: ShardRecord, *, durable: bool) -> None:
+        commit_shard(self.location, record)
+
+    def clear(self) -> None:
+        """``store.json`` first (a store cut short here is no store at all), then every commit
+        point (then no shard counts), then the shards."""
+        listing = list_objects(self.location)
+        points = {n for n in listing if commit_rank_and_seq(n) or ledger_rank(n) is not None}
+        delete_objects(self.location, [name for name in listing if name == STORE_FILE])
+        delete_objects(self.location, points)
+        delete_objects(self.location, [n for n in listing if n != STORE_FILE and n not in points])
+
+    def clean_for_resume(self, store_format: str) -> list[LedgerEntry]:
+        """Delete shard objects without a commit record (or ledger line: a store copied from
+        disk)."""
+        entries = self.committed(store_format)
+        listing = self._listing or {}
+        committed = {entry.record.file for entry in entries}
+        uncommitted = [
+            name
+            for name in listing
+            if shard_rank_and_seq(name.removesuffix(".tmp")) is not None and name not in committed
+        ]
+        delete_objects(self.location, uncommitted)
+        self._listing = {n: size for n, size in listing.items() if n not in uncommitted}
+        return entries

@@ -4,13 +4,13 @@ A safetensors file is an 8-byte little-endian header length, a JSON header (each
 dtype, shape and byte offsets) and the tensors' bytes. Opening a remote store
 (:func:`open_remote_shards`) reads, per committed shard, a first range sized from its
 commit record to hold its header and its batches' ``__index__`` tensors (these follow the
-header when no stored key is wider than 8 bytes; a longer header or indices elsewhere take
-one more request); tensors are then read with ranged requests of their bytes
-(:func:`read_tensors`, :func:`read_rows`; two ranges of a shard less than 64 KiB apart are
-read as one, so a read holds at most 64 KiB between the tensors asked), never a whole shard
-unless asked (:func:`shard_crc32`). Every range goes through the filesystem's
-``cat_ranges``, which asynchronous filesystems (s3fs, gcsfs) answer concurrently; an empty
-range (a tensor with no elements) is not requested.
+header when no stored key is wider than 8 bytes; a longer header takes one more request),
+for all shards at once; a :class:`RemoteShard` then serves what lies in that range from it,
+and reads other tensors and rows with ranged requests of their bytes (two ranges of a shard
+less than 64 KiB apart are read as one, so a read holds at most 64 KiB between the tensors
+asked), never a whole shard unless asked (:meth:`RemoteShard.crc32`). Every range goes
+through the filesystem's ``cat_ranges``, which asynchronous filesystems (s3fs, gcsfs)
+answer concurrently; an empty range (a tensor with no elements) is not requested.
 """
 
 from __future__ import annotations
@@ -24,25 +24,18 @@ from dataclasses import dataclass
 import torch
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.backends.location import ObjectLocation, remote_error, remote_request
+from lightning_iocatch.store.backends.base import Shard
+from lightning_iocatch.store.backends.remote import ObjectLocation, remote_error, remote_request
 from lightning_iocatch.store.ledger import LedgerEntry
-from lightning_iocatch.store.names import INDEX_KEY
 from lightning_iocatch.store.shard_file import STORABLE_DTYPES
-from lightning_iocatch.store.stored_batches import check_header
 
-__all__ = [
-    "OpenedShard",
-    "RemoteShard",
-    "open_remote_shards",
-    "read_rows",
-    "read_tensors",
-    "shard_crc32",
-]
+__all__ = ["RemoteShard", "open_remote_shards"]
+
 
 _MERGE_GAP = 64 << 10  # two wanted ranges of one shard this close are read as one
+
+
 _CODES = {code: dtype for dtype, code in STORABLE_DTYPES.items()}
-if hasattr(torch, "float8_e8m0fnu"):
-    _CODES["F8_E8M0"] = torch.float8_e8m0fnu
 
 
 @dataclass(frozen=True)
@@ -51,123 +44,6 @@ class _Span:
     shape: tuple[int, ...]
     start: int  # absolute byte offsets in the object
     end: int
-
-
-@dataclass(frozen=True, eq=False)
-class RemoteShard:
-    """A committed shard object and its parsed header; compared by identity."""
-
-    location: ObjectLocation
-    name: str
-    size: int
-    spans: dict[str, _Span]
-
-    def header(self) -> dict[str, tuple[str, list[int]]]:
-        """Tensor name -> (safetensors dtype code, shape), as :func:`check_header` takes."""
-        return {name: (span.code, list(span.shape)) for name, span in self.spans.items()}
-
-    def __str__(self) -> str:
-        return self.location.url_of(self.name)
-
-
-@dataclass(frozen=True)
-class OpenedShard:
-    """A shard as opened: its header checked against its record, its batches' indices."""
-
-    shard: RemoteShard
-    stored: list[dict[str, tuple[int, ...]]]  # per batch: key -> stored shape
-    indices: list[torch.Tensor]  # per batch: int64 dataset indices
-
-
-def open_remote_shards(
-    location: ObjectLocation, entries: Sequence[LedgerEntry], listing: dict[str, int]
-) -> dict[str, OpenedShard]:
-    """Each committed shard by name, once present with its recorded size and a header that
-    agrees with its record; ``listing`` is the prefix's listing (name -> size)."""
-    first: dict[str, LedgerEntry] = {}
-    for entry in entries:
-        record = entry.record
-        if record.file in first:
-            raise StoreError(f"shard {record.file} is committed twice: {entry.where} is damaged")
-        first[record.file] = entry
-        where = location.url_of(record.file)
-        if record.file not in listing:
-            raise StoreError(f"shard {where} is committed ({entry.where}) but missing")
-        if listing[record.file] != record.bytes:
-            raise StoreError(
-                f"shard {where} is {listing[record.file]} bytes, its commit record says "
-                f"{record.bytes} ({entry.where}): it was truncated or replaced"
-            )
-    names = list(first)
-    sizes = [first[name].record.bytes for name in names]
-    firsts = [
-        (name, 0, min(_first_range(first[name]), size))
-        for name, size in zip(names, sizes, strict=True)
-    ]
-    heads = [bytes(head) for head in _fetch(location, firsts)]
-    lengths = [_header_length(location, n, head) for n, head in zip(names, heads, strict=True)]
-    short = [(n, len(h), 8 + k) for n, h, k in zip(names, heads, lengths, strict=True)]
-    rest = iter(_fetch(location, [r for r in short if r[2] > r[1]]))
-    shards, missing = {}, []
-    for name, head, length in zip(names, heads, lengths, strict=True):
-        if 8 + length > len(head):
-            head += bytes(next(rest))
-        shard = _parse_header(location, name, first[name].record.bytes, head[8 : 8 + length])
-        stored = check_header(shard.header(), first[name], str(shard))
-        indices: list[torch.Tensor | None] = []
-        for position in range(len(stored)):
-            span = shard.spans[f"b{position}/{INDEX_KEY}"]
-            if span.end <= len(head):  # already read with the header
-                indices.append(_tensor(head[span.start : span.end], span))
-            else:
-                indices.append(None)
-                missing.append((name, position, span))
-        shards[name] = (shard, stored, indices)
-    fetched = _fetch(location, [(name, span.start, span.end) for name, _, span in missing])
-    for (name, position, span), raw in zip(missing, fetched, strict=True):
-        shards[name][2][position] = _tensor(raw, span)
-    return {
-        name: OpenedShard(shard, stored, [i for i in indices if i is not None])
-        for name, (shard, stored, indices) in shards.items()
-    }
-
-
-def read_tensors(shard: RemoteShard, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` of ``shard``, each read with a ranged request of its bytes."""
-    spans = [shard.spans[name] for name in names]
-    data = _fetch(shard.location, [(shard.name, s.start, s.end) for s in spans])
-    return {name: _tensor(raw, span) for name, span, raw in zip(names, spans, data, strict=True)}
-
-
-def read_rows(
-    shard: RemoteShard, names: Sequence[str], first: int, stop: int
-) -> dict[str, torch.Tensor]:
-    """Rows ``[first, stop)`` of the tensors ``names`` of ``shard``, with ranged requests."""
-    ranges, shapes = [], []
-    for name in names:
-        span = shard.spans[name]
-        row = (span.end - span.start) // span.shape[0] if span.shape and span.shape[0] else 0
-        ranges.append((shard.name, span.start + first * row, span.start + stop * row))
-        shapes.append(_Span(span.code, (stop - first, *span.shape[1:]), 0, 0))
-    data = _fetch(shard.location, ranges)
-    return {name: _tensor(raw, span) for name, span, raw in zip(names, shapes, data, strict=True)}
-
-
-def shard_crc32(shard: RemoteShard, chunk: int = 16 << 20) -> int:
-    """CRC-32 of the whole shard object, streamed ``chunk`` bytes at a time."""
-    crc = 0
-    with (
-        remote_request("read", str(shard)),
-        shard.location.fs.open(
-            shard.location.path(shard.name), "rb", block_size=chunk, cache_type="none"
-        ) as handle,
-    ):
-        while block := handle.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return crc
-
-
-# Parsing and fetching
 
 
 def _first_range(entry: LedgerEntry) -> int:
@@ -184,7 +60,7 @@ def _header_length(location: ObjectLocation, name: str, head: bytes) -> int:
     return int(struct.unpack("<Q", head[:8])[0])
 
 
-def _parse_header(location: ObjectLocation, name: str, size: int, raw: bytes) -> RemoteShard:
+def _parse_header(location: ObjectLocation, name: str, size: int, raw: bytes) -> dict[str, _Span]:
     where = location.url_of(name)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -207,7 +83,7 @@ def _parse_header(location: ObjectLocation, name: str, size: int, raw: bytes) ->
             spans[tensor] = _Span(code, shape, base + start, base + end)
     except (ValueError, KeyError, TypeError) as error:
         raise StoreError(f"shard {where} is corrupted: its header is damaged ({error})") from error
-    return RemoteShard(location, name, size, spans)
+    return spans
 
 
 def _fetch(location: ObjectLocation, ranges: Sequence[tuple[str, int, int]]) -> list[memoryview]:
@@ -256,3 +132,91 @@ def _tensor(raw: bytes | memoryview, span: _Span) -> torch.Tensor:
     if not raw:
         return torch.empty(span.shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(span.shape)
+
+
+class RemoteShard(Shard):
+    """A committed shard object, its parsed header and the first bytes read with it."""
+
+    def __init__(
+        self, location: ObjectLocation, name: str, size: int, spans: dict[str, _Span], head: bytes
+    ) -> None:
+        self.location, self.name, self.size, self.spans = location, name, size, spans
+        self._head = head  # the object's first bytes: the header and, often, the indices
+
+    def __str__(self) -> str:
+        return self.location.url_of(self.name)
+
+    def header(self) -> dict[str, tuple[str, list[int]]]:
+        return {name: (span.code, list(span.shape)) for name, span in self.spans.items()}
+
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names``: from the first bytes where they lie there, else read with
+        ranged requests of their bytes."""
+        spans = {name: self.spans[name] for name in names}
+        held = {n: s for n, s in spans.items() if s.end <= len(self._head)}
+        wanted = [n for n in names if n not in held]
+        data = _fetch(self.location, [(self.name, spans[n].start, spans[n].end) for n in wanted])
+        out = {n: _tensor(self._head[s.start : s.end], s) for n, s in held.items()}
+        out.update({n: _tensor(raw, spans[n]) for n, raw in zip(wanted, data, strict=True)})
+        return {name: out[name] for name in names}
+
+    def read_rows(self, names: Sequence[str], first: int, stop: int) -> dict[str, torch.Tensor]:
+        ranges, shapes = [], []
+        for name in names:
+            span = self.spans[name]
+            row = (span.end - span.start) // span.shape[0] if span.shape and span.shape[0] else 0
+            ranges.append((self.name, span.start + first * row, span.start + stop * row))
+            shapes.append(_Span(span.code, (stop - first, *span.shape[1:]), 0, 0))
+        data = _fetch(self.location, ranges)
+        return {n: _tensor(raw, span) for n, span, raw in zip(names, shapes, data, strict=True)}
+
+    def crc32(self, chunk: int = 16 << 20) -> int:
+        """CRC-32 of the whole object, streamed ``chunk`` bytes at a time."""
+        crc = 0
+        path = self.location.path(self.name)
+        with (
+            remote_request("read", str(self)),
+            self.location.fs.open(path, "rb", block_size=chunk, cache_type="none") as handle,
+        ):
+            while block := handle.read(chunk):
+                crc = zlib.crc32(block, crc)
+        return crc
+
+
+def open_remote_shards(
+    location: ObjectLocation, entries: Sequence[LedgerEntry], listing: dict[str, int]
+) -> dict[str, Shard]:
+    """Each committed shard by name, once present with its recorded size, its header parsed;
+    ``listing`` is the prefix's listing (name -> size). The first bytes of every shard are
+    read in one ``cat_ranges``."""
+    first: dict[str, LedgerEntry] = {}
+    for entry in entries:
+        record = entry.record
+        if record.file in first:
+            raise StoreError(f"shard {record.file} is committed twice: {entry.where} is damaged")
+        first[record.file] = entry
+        where = location.url_of(record.file)
+        if record.file not in listing:
+            raise StoreError(f"shard {where} is committed ({entry.where}) but missing")
+        if listing[record.file] != record.bytes:
+            raise StoreError(
+                f"shard {where} is {listing[record.file]} bytes, its commit record says "
+                f"{record.bytes} ({entry.where}): it was truncated or replaced"
+            )
+    names = list(first)
+    sizes = [first[name].record.bytes for name in names]
+    firsts = [
+        (name, 0, min(_first_range(first[name]), size))
+        for name, size in zip(names, sizes, strict=True)
+    ]
+    heads = [bytes(head) for head in _fetch(location, firsts)]
+    lengths = [_header_length(location, n, head) for n, head in zip(names, heads, strict=True)]
+    short = [(n, len(h), 8 + k) for n, h, k in zip(names, heads, lengths, strict=True)]
+    rest = iter(_fetch(location, [r for r in short if r[2] > r[1]]))
+    shards: dict[str, Shard] = {}
+    for name, size, head, length in zip(names, sizes, heads, lengths, strict=True):
+        if 8 + length > len(head):
+            head += bytes(next(rest))
+        spans = _parse_header(location, name, size, head[8 : 8 + length])
+        shards[name] = RemoteShard(location, name, size, spans, head)
+    return shards

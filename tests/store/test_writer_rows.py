@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback
-from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.backends.local_records import read_ledgers
 from lightning_iocatch.store.names import INDEX_KEY
 from tests.lightning_models import tiny_llama, trainer
 

@@ -10,7 +10,7 @@ from torch import nn
 from lightning_iocatch.capture import ModelIOCatcher
 from lightning_iocatch.capture.transfer import CaptureTransfer
 from lightning_iocatch.capture.transform import Site
-from tests.test_pinned_ring import FakeCudaOps
+from tests.capture.test_pinned_ring import FakeCudaOps
 
 
 class TwiceCalled(nn.Module):

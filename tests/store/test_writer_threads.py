@@ -4,7 +4,7 @@ once, nothing is left running, and the memory bound holds on a disk slower than 
 Run as a script, this file is the memory measurement that ``test_memory_bound_*`` starts
 in a fresh process::
 
-    python tests/test_writer_threads.py DIR
+    python tests/store/test_writer_threads.py DIR
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import lightning_iocatch.capture.host_copy as host_copy
+import lightning_iocatch.store.backends.local as local_backend
 import lightning_iocatch.store.writer as shard_writer_module
 from lightning_iocatch import (
     BatchCaptures,
@@ -36,12 +37,12 @@ from lightning_iocatch import (
     IOCaptureCallback,
     StoreError,
 )
-from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.backends.local_records import read_ledgers
+from tests.capture.test_pinned_ring import FakeCudaOps
 from tests.conftest import hook_count
 from tests.lightning_models import TinyModule, dataset, loader, manual_outputs, trainer
-from tests.test_pinned_ring import FakeCudaOps
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = "outputs[model.layers.1]"
 BATCH_BYTES = 4 * 8 * 4 + 4 * 8  # 4 rows of 8 float32, and their int64 indices
 
@@ -104,8 +105,9 @@ def failing_on_call(
 def test_a_writer_thread_failure_reaches_the_loop_within_seconds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, error: BaseException, match: str
 ) -> None:
-    real = getattr(shard_writer_module, target)
-    monkeypatch.setattr(shard_writer_module, target, failing_on_call(real, 2, error))
+    home = local_backend if target == "append_ledger" else shard_writer_module
+    real = getattr(home, target)
+    monkeypatch.setattr(home, target, failing_on_call(real, 2, error))
     module = TinyModule()
     writer = FeatureWriter(tmp_path, max_shard_bytes=2 * BATCH_BYTES, queue_size=1)
     start = time.monotonic()

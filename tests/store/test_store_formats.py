@@ -18,12 +18,12 @@ from safetensors.torch import load_file
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError, StoreRows
 from lightning_iocatch.cli import main
-from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.backends.local_records import read_ledgers
 from lightning_iocatch.store.names import FORMAT, INDEX_KEY, STORE_FILE
 from lightning_iocatch.store.plan import prepare_store
 from tests.lightning_models import TinyModule, loader, trainer
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 KEY = "model.layers.1/outputs"
 FLIP = 1 << 40  # one bit of an int64 index
 

@@ -230,7 +230,7 @@ def test_probes_import_and_compute_without_lightning() -> None:
         " for m in sys.modules if sys.modules[m] is not None)\n"
         "print('ok')\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )

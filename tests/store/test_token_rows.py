@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_iocatch.capture.transfer as transfer_module
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreRows, TokenRows
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.backends.local_records import read_ledgers
 from lightning_iocatch.store.names import POSITION_KEY, TOKEN_ID_KEY
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.writer import ShardWriter

@@ -17,7 +17,7 @@ from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe
 from lightning_iocatch.probes.linear import _unit_hash
 from tests.lightning_models import tiny_llama, trainer
-from tests.test_probes import numpy_batch_stats, numpy_cka, numpy_probe_acc
+from tests.probes.test_probes import numpy_batch_stats, numpy_cka, numpy_probe_acc
 
 STATS = ("mean", "std", "rms", "absmax", "zero_frac", "dead_frac")
 

@@ -6,7 +6,7 @@ committed by two ranks, a key in only some batches, a tensor stored once per bat
 ground truth is the data set's own indices ``0 .. N-1`` and the store read by FeatureStore.
 Run as a script, this file is one rank of the 2-process DDP training run::
 
-    python tests/test_training_data.py STORE OUT_DIR
+    python tests/store/test_training_data.py STORE OUT_DIR
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from tests.lightning_models import TinyModule, loader, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N = 45  # divides evenly neither by 2 nor by 4
 KEYS = ["model.layers.1/outputs", "head/inputs/args/0"]
 

@@ -12,7 +12,7 @@ reference, in the test process on one device:
 - ``padding_only``: 1 sample: the second process sees nothing but padding;
 - ``no_batch``: an iterable dataset that gives the second process no batch at all.
 
-    python tests/test_probe_ddp.py OUT_DIR
+    python tests/lightning/test_probe_ddp.py OUT_DIR
 
 Each rank writes ``OUT_DIR/rank{r}.json``: every case's logged values, and the
 dataset indices that rank validated.
@@ -41,7 +41,7 @@ from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe
 from lightning_iocatch.probes.linear import _unit_hash
 from tests.lightning_models import TinyModule, loader
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RARE, TWICE = 4, 3  # dataset indices of the routed case that take the rare paths
 
 

@@ -17,7 +17,7 @@ from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, St
 from lightning_iocatch.store.names import FORMAT
 from tests.lightning_models import TinyModule, TinyNet, dataset, loader, manual_outputs, trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = "inputs[head]|outputs[model.layers.1]"
 
 

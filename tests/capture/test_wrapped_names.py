@@ -23,7 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from lightning_iocatch import ModelIOCatcher, UnknownModuleError
 from tests.conftest import Blocks, hook_count
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUTPUTS = ("layers.1", "layers.1.0", "layers.3")
 INPUTS = ("layers.2",)
 
@@ -149,7 +149,10 @@ def _fsdp_worker(out: str, store: str) -> None:
 @pytest.mark.slow
 def test_fsdp_and_checkpoint_wrapped_layers_capture_by_plain_names(tmp_path: Path) -> None:
     out, store = tmp_path / "fsdp.pt", tmp_path / "store"
-    code = "import sys; from tests.test_wrapped_names import _fsdp_worker as w; w(*sys.argv[1:])"
+    code = (
+        "import sys; from tests.capture.test_wrapped_names import _fsdp_worker as w; "
+        "w(*sys.argv[1:])"
+    )
     run = subprocess.run(
         [sys.executable, "-c", code, str(out), str(store)],
         cwd=ROOT,

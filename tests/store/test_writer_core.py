@@ -19,7 +19,7 @@ from torch import nn
 
 import lightning_iocatch.store.writer as shard_writer_module
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
-from lightning_iocatch.store.ledger import file_crc32, read_ledgers
+from lightning_iocatch.store.backends.local_records import file_crc32, read_ledgers
 from lightning_iocatch.store.names import INDEX_KEY
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.records import ShardRecord

@@ -22,18 +22,23 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader
 
-import lightning_iocatch.store.ledger as ledger_module
-import lightning_iocatch.store.shard_access as shard_access
+import lightning_iocatch.store.backends.local as local_backend
+import lightning_iocatch.store.backends.local_records as local_records
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
 from lightning_iocatch.cli import main
-from lightning_iocatch.store.ledger import append_ledger, drop_torn_tail, file_crc32, read_ledgers
+from lightning_iocatch.store.backends.local_files import write_json_atomic
+from lightning_iocatch.store.backends.local_records import (
+    append_ledger,
+    drop_torn_tail,
+    file_crc32,
+    read_ledgers,
+)
 from lightning_iocatch.store.names import (
     FORMAT,
     STORE_FILE,
     ledger_name,
     shard_name,
     shard_rank_and_seq,
-    write_json_atomic,
 )
 from lightning_iocatch.store.records import BatchRecord, ShardRecord
 from tests.lightning_models import TinyModule, dataset, loader, manual_outputs, trainer
@@ -518,7 +523,7 @@ def test_symbolic_links_are_read_only_inside_the_store_and_never_written_through
 
 @pytest.fixture
 def opened(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Every path the reader opens: ``os.open``, ``open`` in ledger.py, ``safe_open``."""
+    """Every path the reader opens: ``os.open``, ``open`` (file_crc32), ``safe_open``."""
     paths: list[Path] = []
 
     def recorder(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -529,8 +534,8 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
         return record
 
     monkeypatch.setattr(os, "open", recorder(os.open))
-    monkeypatch.setattr(ledger_module, "open", recorder(open), raising=False)
-    monkeypatch.setattr(shard_access, "safe_open", recorder(shard_access.safe_open))
+    monkeypatch.setattr(local_records, "open", recorder(open), raising=False)
+    monkeypatch.setattr(local_backend, "safe_open", recorder(local_backend.safe_open))
     return paths
 
 

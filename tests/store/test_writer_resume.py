@@ -6,7 +6,7 @@ forward of the same weights. Killed dumps are real ``SIGKILL``s in subprocesses:
 ``tests/scripts/dump_features.py`` for one process, and this file run as a script for two
 (several DDP runs in one launch, the last one killed)::
 
-    python tests/test_writer_resume.py OUT_DIR WEIGHTS
+    python tests/store/test_writer_resume.py OUT_DIR WEIGHTS
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ from lightning_iocatch import (
     TokenRows,
 )
 from lightning_iocatch.probes import ActivationStats
-from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.backends.local_records import read_ledgers
 from lightning_iocatch.store.names import INDEX_KEY, is_store_file
 from tests.lightning_models import TinyModule, TinyNet, dataset, manual_outputs, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:predict returned None")  # skipped batches
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = "outputs[model.layers.1]|inputs[head]"  # as in tests/scripts/dump_features.py
 N = 60
 SHARD_BYTES = 600
@@ -409,8 +409,7 @@ def _kill_both_ranks() -> None:
 
 def ddp_main(out: Path, weights: Path) -> None:
     """Runs of 2-process DDP dumps in one launch; each rank notes each run's outcome."""
-    import lightning_iocatch.lightning.feature_writer as adapter
-    import lightning_iocatch.store.plan as core
+    import lightning_iocatch.store.backends.local as local
 
     rank = int(os.environ.get("LOCAL_RANK", 0))
     (out / f"pid-rank{rank}").write_text(str(os.getpid()))
@@ -421,12 +420,13 @@ def ddp_main(out: Path, weights: Path) -> None:
     def cannot_read(path: Path) -> dict[str, Any]:
         raise StoreError(f"{path} is on another machine's disk")
 
-    real_list, real_read = core._list_dir, adapter.read_store_json
+    real_list, real_read = local._list_dir, local.LocalBackend.read_info
 
     def run(name: str, mode: str = "create", batch_size: int = 4, **patch: Any) -> None:
-        core._list_dir = patch.get("list_dir", {}).get(rank, real_list)  # type: ignore[assignment]
-        adapter.read_store_json = patch.get("read", {}).get(rank, real_read)
+        local._list_dir = patch.get("list_dir", {}).get(rank, real_list)  # type: ignore[assignment]
+        local.LocalBackend.read_info = patch.get("read", {}).get(rank, real_read)  # type: ignore[method-assign]
         start = time.monotonic()
+        (out / name).mkdir(exist_ok=True)  # an empty directory both ranks list
         try:
             writer = FeatureWriter(out / name, mode=mode, max_shard_bytes=SHARD_BYTES)  # type: ignore[arg-type]
             fit = trainer([IOCaptureCallback(SPEC, writer=writer)], devices=2, strategy="ddp")
@@ -436,7 +436,8 @@ def ddp_main(out: Path, weights: Path) -> None:
         except StoreError as raised:
             error = str(raised)
         finally:
-            core._list_dir, adapter.read_store_json = real_list, real_read  # type: ignore[assignment]
+            local._list_dir = real_list  # type: ignore[assignment]
+            local.LocalBackend.read_info = real_read  # type: ignore[method-assign]
         outcome = {"error": error, "seconds": time.monotonic() - start}
         (out / f"{name}-rank{rank}.json").write_text(json.dumps(outcome))
 

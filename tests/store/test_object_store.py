@@ -21,8 +21,10 @@ from torch.utils.data import DataLoader
 
 from lightning_iocatch import FeatureStore, FeatureWriter, StoreError
 from lightning_iocatch.cli import main
-from lightning_iocatch.store.backends.location import ObjectLocation, resolve_location
-from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.backends.local_records import read_ledgers
+from lightning_iocatch.store.backends.location import open_backend
+from lightning_iocatch.store.backends.objects import ObjectBackend
+from lightning_iocatch.store.backends.remote import ObjectLocation
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.training import StoreRows
 from lightning_iocatch.store.writer import ShardWriter
@@ -48,6 +50,13 @@ class CountingMemoryFileSystem(MemoryFileSystem):
 
 
 fsspec.register_implementation("countingmemory", CountingMemoryFileSystem, clobber=True)
+
+
+def object_location(url: str, options: dict[str, Any] | None = None) -> ObjectLocation:
+    """The prefix of the store at ``url``, for requests made by hand."""
+    backend = open_backend(url, options)
+    assert isinstance(backend, ObjectBackend)
+    return backend.location
 
 
 @pytest.fixture
@@ -87,8 +96,7 @@ def dump(
 
 
 def objects(url: str) -> dict[str, bytes]:
-    location = resolve_location(url)
-    assert isinstance(location, ObjectLocation)
+    location = object_location(url)
     fs = location.fs
     return {path[len(location.root) + 1 :]: fs.cat_file(path) for path in fs.find(location.root)}
 
@@ -140,8 +148,7 @@ def test_a_shard_without_its_commit_record_does_not_exist_and_resume_deletes_onl
 ) -> None:
     data = batches()
     dump(url, data[:4])  # indices 0..15, a shard (300 bytes) per two batches
-    location = resolve_location(url)
-    assert isinstance(location, ObjectLocation)
+    location = object_location(url)
     fs = location.fs
     last = sorted(name for name in objects(url) if name.startswith("commits/"))[-1]
     fs.rm(location.path(last))  # killed between the shard upload and its commit record
@@ -172,8 +179,7 @@ def test_create_refuses_a_prefix_in_use_and_overwrite_deletes_only_the_stores_ob
         StoreError, match=r"is not empty; use FeatureWriter\(\.\.\., mode='resume'\)"
     ):
         dump(url, batches())
-    location = resolve_location(url)
-    assert isinstance(location, ObjectLocation)
+    location = object_location(url)
     location.fs.pipe_file(location.path("notes.txt"), b"mine")
     location.fs.pipe_file(location.path("commits/README"), b"mine too")
     dump(url, batches()[2:3], mode="overwrite")
@@ -188,8 +194,7 @@ def test_create_refuses_a_prefix_in_use_and_overwrite_deletes_only_the_stores_ob
 
 def test_damage_is_an_error_naming_the_object(url: str) -> None:
     dump(url, batches())
-    location = resolve_location(url)
-    assert isinstance(location, ObjectLocation)
+    location = object_location(url)
     fs = location.fs
     record = location.path("commits/r000-000001.json")
     good = fs.cat_file(record)
@@ -229,8 +234,7 @@ def test_opening_reads_headers_and_a_key_reads_only_its_tensors() -> None:
     big = store["h/outputs"]
     assert big.numel() * 2 <= CountingMemoryFileSystem.read_bytes < 1.1 * big.numel() * 2
     assert torch.equal(big, torch.cat([t["h/outputs"] for _, t in data]))
-    location = resolve_location(url)
-    assert isinstance(location, ObjectLocation)
+    location = object_location(url)
     location.fs.rm(location.fs.find(location.root))
 
 
@@ -259,7 +263,7 @@ def test_feature_writer_inspect_and_export_take_urls(
     assert sorted(exported["index"].tolist()) == list(range(N))
     # file:// is a local path: the POSIX protocol, a ledger
     writer = FeatureWriter(f"file://{tmp_path}/local")
-    assert writer.path == tmp_path / "local"
+    assert str(writer.path) == str(tmp_path / "local")
 
 
 @pytest.mark.parametrize(
@@ -285,8 +289,7 @@ def test_bad_locations_are_refused_with_one_clear_error(
 def test_an_object_location_pickles_without_its_filesystem(url: str) -> None:
     import pickle
 
-    location = resolve_location(url, {"skip_instance_cache": True})
-    assert isinstance(location, ObjectLocation)
+    location = object_location(url, {"skip_instance_cache": True})
     copy = pickle.loads(pickle.dumps(location))
     assert copy == location and copy.options == {"skip_instance_cache": True}
     assert "_fs" not in json.dumps(location.__getstate__())
@@ -312,8 +315,7 @@ fsspec.register_implementation("quietdelete", QuietDeleteFileSystem, clobber=Tru
 def test_objects_a_delete_left_behind_are_an_error_not_an_old_store(url: str) -> None:
     quiet = url.replace("memory://", "quietdelete://")
     dump(url, batches()[:4])  # 16 indices in 2 shards
-    location = resolve_location(url)
-    assert isinstance(location, ObjectLocation)
+    location = object_location(url)
     before = objects(url)
     left = "are still there after the filesystem reported them deleted: store.json;"
     with pytest.raises(StoreError, match=rf"{left} .*missing s3:DeleteObject permission"):
@@ -372,8 +374,7 @@ def test_a_prefix_with_glob_characters_touches_only_its_own_objects(url: str) ->
         store = FeatureStore(prefix)
         assert store.indices.tolist() == list(range(8, 16))
         dump(prefix, data[:1], mode="overwrite")
-        location = resolve_location(prefix)
-        assert isinstance(location, ObjectLocation)
+        location = object_location(prefix)
         location.fs.pipe_file(location.path("shard-r000-000003.safetensors"), b"debris")
         dump(prefix, data[:2], mode="resume")
         assert FeatureStore(prefix).indices.tolist() == list(range(8))

@@ -1,7 +1,7 @@
 """Feature stores on a real S3-protocol server: moto's, started here on 127.0.0.1, with s3fs.
 
 The ground truth is a manual forward of the same weights (``truth`` of
-tests/test_writer_resume.py) and the same dump written to a local directory. Killed dumps
+tests/store/test_writer_resume.py) and the same dump written to a local directory. Killed dumps
 are real ``SIGKILL``s of tests/scripts/dump_features.py, and the DDP dump is two real
 processes; they reach the server over the loopback address. Every test skips when moto's
 server or s3fs is missing or the server cannot start.
@@ -25,14 +25,14 @@ from torch.utils.data import DataLoader
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
 from lightning_iocatch.cli import main
-from lightning_iocatch.store.backends.location import resolve_location
-from lightning_iocatch.store.ledger import read_ledgers
+from lightning_iocatch.store.backends.local_records import read_ledgers
+from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.training import StoreRows
 from tests.lightning_models import trainer
 from tests.s3_server import S3Server, s3_available
-from tests.test_object_store import batches, dump
-from tests.test_writer_resume import (
+from tests.store.test_object_store import batches, dump, object_location
+from tests.store.test_writer_resume import (
     SHARD_BYTES,
     SPEC,
     Dump,
@@ -44,7 +44,7 @@ from tests.test_writer_resume import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:predict returned None")  # skipped batches
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"spec": None, "stage": "predict", "dtype": None}
 
 
@@ -188,10 +188,10 @@ def test_a_prefix_holding_only_folder_markers_is_empty(server: S3Server, bucket:
     """The S3 console's "Create folder" makes an empty object ``run/``; before, ``create``
     refused the prefix as not empty: "(it holds '')"."""
     options = server.storage_options()
-    fs = resolve_location(f"s3://{bucket}/run", options).fs  # type: ignore[union-attr]
+    fs = object_location(f"s3://{bucket}/run", options).fs
     fs.pipe_file(f"{bucket}/run/", b"")
     fs.pipe_file(f"{bucket}/run/notes/", b"")
-    dump(resolve_location(f"s3://{bucket}/run", options), batches(3))
+    dump(open_backend(f"s3://{bucket}/run", options), batches(3))
     assert len(FeatureStore(f"s3://{bucket}/run", storage_options=options)) > 0
     fs.pipe_file(f"{bucket}/other/kept.txt", b"a user's file")
     with pytest.raises(StoreError, match=r"is not empty; .*it holds 'kept.txt'"):
@@ -235,11 +235,11 @@ def test_glob_characters_empty_tensors_and_quiet_deletes_on_s3(
     options = server.storage_options()
     fs = s3fs.S3FileSystem(**options)
     data = [(i, {**t, "none": t["h/outputs"][:, :0]}) for i, t in batches()]
-    dump(resolve_location(f"s3://{bucket}/br1", options), data)  # the neighbour
+    dump(open_backend(f"s3://{bucket}/br1", options), data)  # the neighbour
     kept = fs.find(f"{bucket}/br1", detail=True)
     url = f"s3://{bucket}/br[1]"
-    dump(resolve_location(url, options), data[:2])
-    dump(resolve_location(url, options), data, mode="overwrite", shard=10)  # a batch a shard
+    dump(open_backend(url, options), data[:2])
+    dump(open_backend(url, options), data, mode="overwrite", shard=10)  # a batch a shard
     store = FeatureStore(url, storage_options=options)
     assert torch.equal(store["h/outputs"], torch.cat([t["h/outputs"] for _, t in data]))
     assert store["none"].shape == (len(store), 0) and store["none"].dtype == torch.bfloat16

@@ -1,0 +1,131 @@
+"""The one interface of a store's place, and of a committed shard read from it.
+
+Everything above the backends (the writing core, the resume and overwrite plan, the reader,
+the training reader, export, the command line) works through :class:`StoreBackend` and
+:class:`Shard` and never asks where a store lives. Two implementations:
+
+- :class:`~lightning_iocatch.store.backends.local.LocalBackend`, a directory: shards are
+  written to a temporary name, fsynced and renamed, then committed by a line appended to
+  the rank's ledger; shards are read memory-mapped.
+- :class:`~lightning_iocatch.store.backends.objects.ObjectBackend`, a prefix on object
+  storage through fsspec: a shard object is uploaded, then committed by its own commit
+  record object; shards are read with ranged requests.
+
+The commit point is the same idea in both: a shard without its record (a ledger line, a
+commit record) does not exist, and both kinds of record are read wherever the store lives
+(a store copied between disk and object storage keeps its own).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from lightning_iocatch.store.ledger import LedgerEntry
+from lightning_iocatch.store.records import ShardRecord
+
+__all__ = ["Shard", "StoreBackend", "Write"]
+
+Write = Callable[[IO[bytes]], tuple[int, int]]
+"""Writes a shard's bytes to an open handle; returns their CRC-32 and size."""
+
+
+class Shard(ABC):
+    """A committed shard as a reader sees it; compared by identity.
+
+    ``str(shard)`` is where it is (a path or a URL), for messages.
+    """
+
+    name: str
+
+    @abstractmethod
+    def header(self) -> dict[str, tuple[str, list[int]]]:
+        """Tensor name -> (safetensors dtype code, shape)."""
+
+    @abstractmethod
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` (``b{j}/{key}``), whole."""
+
+    @abstractmethod
+    def read_rows(self, names: Sequence[str], first: int, stop: int) -> dict[str, torch.Tensor]:
+        """Rows ``[first, stop)`` of the tensors ``names``, reading only their bytes."""
+
+    @abstractmethod
+    def crc32(self) -> int:
+        """The CRC-32 of all of the shard's bytes (reads every byte)."""
+
+
+class StoreBackend(ABC):
+    """Where a store lives, with the operations every part of the store needs.
+
+    ``str(backend)`` is the location as the user gave it (a path or a URL). A backend
+    pickles (DataLoader workers, DDP ranks), making its connections anew in each process.
+    """
+
+    place: str
+    """How messages say where the store's bytes are: ``"on disk"``, ``"under the prefix"``."""
+    commit_point: str
+    """What commits a shard here: ``"ledger line"``, ``"commit record"``."""
+
+    # store.json
+
+    @abstractmethod
+    def has_info(self) -> bool:
+        """Whether the store's ``store.json`` exists."""
+
+    @abstractmethod
+    def read_info(self) -> dict[str, Any]:
+        """``store.json``, checked; a :class:`~lightning_iocatch.StoreError` where there is no
+        store or it is damaged."""
+
+    @abstractmethod
+    def write_info(self, info: Mapping[str, Any]) -> None:
+        """Write ``store.json`` at once (creating the place if needed)."""
+
+    # What is there
+
+    @abstractmethod
+    def names(self) -> dict[str, int]:
+        """Every file or object at the store's place, by name relative to it
+        (``commits/r000-000000.json``), with its size: the store's own and anyone else's."""
+
+    @abstractmethod
+    def committed(self, store_format: str) -> list[LedgerEntry]:
+        """The record of every committed shard, by rank then sequence number (both kinds of
+        commit point); damage is an error naming the file and line or object."""
+
+    @abstractmethod
+    def open_shards(self, entries: Sequence[LedgerEntry]) -> dict[str, Shard]:
+        """Each committed shard by name, once it is there with its recorded size."""
+
+    def contains(self, path: Path) -> bool:
+        """Whether the local ``path`` is inside the store's place."""
+        return False
+
+    # Writing
+
+    @abstractmethod
+    def write_shard(self, name: str, write: Write, *, durable: bool) -> tuple[int, int]:
+        """Write the shard ``name`` with ``write`` so that it is there whole or not at all;
+        ``durable``: on stable storage before this returns. Its CRC-32 and size."""
+
+    @abstractmethod
+    def commit(self, record: ShardRecord, *, durable: bool) -> None:
+        """Commit ``record``'s shard: from here on it counts."""
+
+    # Cleaning
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Delete the store's own files or objects (``mode="overwrite"``), nothing else;
+        ``store.json`` first, then the commit points, then the shards."""
+
+    @abstractmethod
+    def clean_for_resume(self, store_format: str) -> list[LedgerEntry]:
+        """Make the store ready to continue (``mode="resume"``): complete or cut the last
+        ledger lines, delete what no record commits (debris of a killed run) and nothing
+        else. The committed records, as :meth:`committed` gives them."""

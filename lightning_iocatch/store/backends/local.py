@@ -1,0 +1,290 @@
+"""A store in a local directory: a temporary file, fsync, rename, then a ledger line.
+
+The POSIX protocol of :class:`LocalBackend`:
+
+1. **Write the shard** to ``shard-r{rank}-{seq}.safetensors.tmp``, fsync it (``durable``),
+   rename it to its final name, fsync the directory: it appears whole or not at all.
+2. **Then append its ledger line** to ``ledger-r{rank}.jsonl`` and fsync it: the commit
+   point (see :mod:`lightning_iocatch.store.ledger`). A shard without one does not exist.
+3. **Readers** read the ledgers (and the ``commits/`` of a store downloaded from object
+   storage), check that each committed shard is there with its recorded size, and map the
+   shards' tensors with safetensors (``safe_open``) only while they are read.
+4. ``mode="resume"`` completes or cuts the ledgers' last lines and deletes the debris of a
+   killed run (``.tmp`` files, shards without a record, temporary files of safetensors'
+   own serializer carrying this store's mark); ``mode="overwrite"`` deletes the store's own
+   files. Nothing else in the directory is touched.
+
+Only the store's own files directly inside its directory are read or written
+(:mod:`lightning_iocatch.store.backends.local_files`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from lightning_iocatch.errors import StoreError
+from lightning_iocatch.store.backends.base import Shard, StoreBackend, Write
+from lightning_iocatch.store.backends.local_files import (
+    check_own_path,
+    fsync_dir,
+    open_own_file,
+    read_store_json,
+    write_json_atomic,
+)
+from lightning_iocatch.store.backends.local_records import (
+    append_ledger,
+    delete_commit_files,
+    drop_torn_tail,
+    file_crc32,
+    read_commit_files,
+    read_ledger_entries,
+)
+from lightning_iocatch.store.ledger import LedgerEntry
+from lightning_iocatch.store.names import (
+    COMMITS,
+    STORE_FILE,
+    is_serializer_temp,
+    is_store_file,
+    ledger_name,
+    ledger_rank,
+    shard_rank_and_seq,
+)
+from lightning_iocatch.store.records import ShardRecord
+
+__all__ = ["LocalBackend", "LocalShard"]
+
+_SERIALIZER_MARK = b'"format":"lightning-iocatch-store/'
+
+
+class LocalShard(Shard):
+    """A committed shard on disk, memory-mapped by safetensors while it is read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.name = path, path.name
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def header(self) -> dict[str, tuple[str, list[int]]]:
+        with self._open() as handle:
+            slices = {name: handle.get_slice(name) for name in handle.keys()}  # noqa: SIM118
+            return {name: (s.get_dtype(), s.get_shape()) for name, s in slices.items()}
+
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        with self._open() as handle:
+            return {name: handle.get_tensor(name) for name in names}
+
+    def read_rows(self, names: Sequence[str], first: int, stop: int) -> dict[str, torch.Tensor]:
+        """Views of the mapped file, mapped only as long as they are kept."""
+        with self._open() as handle:
+            return {name: handle.get_slice(name)[first:stop] for name in names}
+
+    def crc32(self) -> int:
+        return file_crc32(self.path)
+
+    @contextlib.contextmanager
+    def _open(self) -> Any:
+        try:
+            with safe_open(self.path, framework="pt") as handle:
+                yield handle
+        except SafetensorError as error:
+            raise StoreError(f"shard {self.path} is corrupted: {error}") from error
+
+
+class LocalBackend(StoreBackend):
+    """A store in the local directory ``root`` (see the module docstring)."""
+
+    place = "on disk"
+    commit_point = "ledger line"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def __repr__(self) -> str:
+        return f"LocalBackend({str(self.root)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LocalBackend) and other.root == self.root
+
+    def __hash__(self) -> int:
+        return hash(self.root)
+
+    def contains(self, path: Path) -> bool:
+        return path.resolve().is_relative_to(self.root.resolve())
+
+    # store.json
+
+    def has_info(self) -> bool:
+        return os.path.lexists(self.root / STORE_FILE)
+
+    def read_info(self) -> dict[str, Any]:
+        return read_store_json(self.root)
+
+    def write_info(self, info: Mapping[str, Any]) -> None:
+        with self._errors("prepare the feature store"):
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.root / STORE_FILE, dict(info))
+
+    # What is there
+
+    def names(self) -> dict[str, int]:
+        """Files and links by name, other directories as ``name/``, and the files of a
+        ``commits/`` folder as ``commits/{name}``."""
+        try:
+            listed = _list_dir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        found: dict[str, int] = {}
+        for name in listed:
+            path = self.root / name
+            if not path.is_dir() or path.is_symlink():
+                found[name] = path.lstat().st_size if os.path.lexists(path) else 0
+            elif name != COMMITS:
+                found[name + "/"] = 0
+            else:
+                for entry in os.scandir(path):
+                    found[f"{COMMITS}/{entry.name}"] = entry.stat(follow_symlinks=False).st_size
+        return found
+
+    def committed(self, store_format: str) -> list[LedgerEntry]:
+        entries = read_ledger_entries(self.root)
+        entries += read_commit_files(self.root, store_format=store_format)
+        return sorted(entries, key=lambda entry: entry.commit_order)
+
+    def open_shards(self, entries: Sequence[LedgerEntry]) -> dict[str, Shard]:
+        shards: dict[str, Shard] = {}
+        first: dict[str, LedgerEntry] = {}
+        for entry in entries:
+            record = entry.record
+            if record.file in first:
+                raise StoreError(
+                    f"shard {record.file} is recorded twice, in {first[record.file].where} and "
+                    f"{entry.where}: the ledger is damaged"
+                )
+            first[record.file] = entry
+            path = check_own_path(self.root, record.file)
+            if not path.is_file():
+                problem = "is not a regular file" if os.path.lexists(path) else "missing"
+                raise StoreError(
+                    f"shard {path} is in the ledger ({entry.where}) but {problem} on disk"
+                )
+            size = path.stat().st_size
+            if size != record.bytes:
+                raise StoreError(
+                    f"shard {path} is {size} bytes, the ledger says {record.bytes} "
+                    f"({entry.where}): it was truncated or replaced"
+                )
+            shards[record.file] = LocalShard(path)
+        return shards
+
+    # Writing
+
+    def write_shard(self, name: str, write: Write, *, durable: bool) -> tuple[int, int]:
+        """``.tmp``, fsync, rename, fsync the directory; a failed write leaves no ``.tmp``."""
+        tmp, final = self.root / (name + ".tmp"), self.root / name
+        created = False
+        try:
+            with open_own_file(self.root, tmp.name, "xb") as handle:
+                created = True
+                crc, size = write(handle)
+                if durable:
+                    os.fsync(handle.fileno())
+            os.replace(tmp, final)
+            created = False
+            if durable:
+                fsync_dir(self.root)
+        except BaseException as error:
+            if created:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+            if isinstance(error, OSError):
+                raise StoreError(f"could not write shard {final}: {error}") from error
+            raise
+        return crc, size
+
+    def commit(self, record: ShardRecord, *, durable: bool) -> None:
+        """Append the record's line to its rank's ledger (always fsynced: the commit point)."""
+        try:
+            append_ledger(self.root / ledger_name(record.rank), record)
+        except OSError as error:
+            raise StoreError(
+                f"shard {self.root / record.file} was written but its ledger line could not "
+                f"be: {error}"
+            ) from error
+
+    # Cleaning
+
+    def clear(self) -> None:
+        with self._errors("prepare the feature store"):
+            names = _list_dir(self.root) if self.root.is_dir() else []
+            for name in sorted(names, key=lambda n: (n != STORE_FILE, ledger_rank(n) is None)):
+                if is_store_file(name):
+                    check_own_path(self.root, name, for_writing=True)  # refuses a link
+                    (self.root / name).unlink()
+                elif self._is_our_serializer_temp(name):
+                    (self.root / name).unlink()
+            delete_commit_files(self.root)
+            if names:
+                fsync_dir(self.root)
+
+    def clean_for_resume(self, store_format: str) -> list[LedgerEntry]:
+        with self._errors("prepare the feature store"):
+            names = _list_dir(self.root)
+            for name in names:
+                if ledger_rank(name) is not None:
+                    check_own_path(self.root, name, for_writing=True)  # refuses a link
+                    drop_torn_tail(self.root / name)
+            entries = self.committed(store_format)
+            committed_files = {entry.record.file for entry in entries}
+            for name in names:
+                unfinished = is_store_file(name) and name.endswith(".tmp")
+                uncommitted = shard_rank_and_seq(name) is not None and name not in committed_files
+                if unfinished or uncommitted:
+                    check_own_path(self.root, name, for_writing=True)
+                    (self.root / name).unlink()
+                elif self._is_our_serializer_temp(name):
+                    (self.root / name).unlink()
+            fsync_dir(self.root)
+        return entries
+
+    def _is_our_serializer_temp(self, name: str) -> bool:
+        """A temporary file safetensors' ``save_file`` left while writing one of our shards.
+
+        Only a regular file whose header carries this store format's mark counts: a user's
+        file that merely has such a name is kept.
+        """
+        if not is_serializer_temp(name):
+            return False
+        try:
+            fd = os.open(self.root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False  # a symbolic link, or gone
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return False
+            head = handle.read(4096)
+        return head[8:9] == b"{" and _SERIALIZER_MARK in head
+
+    @contextlib.contextmanager
+    def _errors(self, doing: str) -> Any:
+        """An ``OSError`` in the block as a :class:`StoreError` naming the directory."""
+        try:
+            yield
+        except OSError as error:
+            raise StoreError(f"cannot {doing} {self.root}: {error}") from error
+
+
+def _list_dir(path: Path) -> list[str]:
+    """The names in the store's directory (one place, so that a test can vary it by rank)."""
+    return sorted(os.listdir(path))

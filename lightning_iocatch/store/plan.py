@@ -182,7 +182,7 @@ def _resume(backend: StoreBackend, settings: Mapping[str, Any]) -> StorePlan:
         indices = shards[record.file].read(names)
         for position, (batch, name) in enumerate(zip(record.batches, names, strict=True)):
             index = indices[name]
-            batch.check_indices(index, f"shard {record.file} batch {position} ({entry.where})")
+            batch.check_indices(index, f"shard {shards[record.file]} batch {position}")
             seen = committed.setdefault(batch.dataloader_idx, IndexSet())
             for value in [*index.tolist(), *batch.without_rows]:
                 seen.add(value)

@@ -171,53 +171,6 @@ def test_a_shard_without_its_commit_record_does_not_exist_and_resume_deletes_onl
     assert [c[9:19] for c in commits] == [s[7:17] for s in shards]  # one record per shard
 
 
-def test_create_refuses_a_prefix_in_use_and_overwrite_deletes_only_the_stores_objects(
-    url: str,
-) -> None:
-    dump(url, batches()[:2])
-    with pytest.raises(
-        StoreError, match=r"is not empty; use FeatureWriter\(\.\.\., mode='resume'\)"
-    ):
-        dump(url, batches())
-    location = object_location(url)
-    location.fs.pipe_file(location.path("notes.txt"), b"mine")
-    location.fs.pipe_file(location.path("commits/README"), b"mine too")
-    dump(url, batches()[2:3], mode="overwrite")
-    assert FeatureStore(url).indices.tolist() == [8, 9, 10, 11]
-    left = objects(url)
-    assert left["notes.txt"] == b"mine" and left["commits/README"] == b"mine too"
-    with pytest.raises(
-        StoreError, match="nothing to resume in memory://.*: it holds no store.json"
-    ):
-        dump(url + "-other", batches(), mode="resume")
-
-
-def test_damage_is_an_error_naming_the_object(url: str) -> None:
-    dump(url, batches())
-    location = object_location(url)
-    fs = location.fs
-    record = location.path("commits/r000-000001.json")
-    good = fs.cat_file(record)
-    fs.pipe_file(record, good.replace(b'"rank":0', b'"rank":1'))
-    with pytest.raises(
-        StoreError,
-        match=r"commit record memory://.*/commits/r000-000001.json is damaged: its record_crc32",
-    ):
-        FeatureStore(url)
-    fs.pipe_file(record, good)
-    shard = location.path("shard-r000-000001.safetensors")
-    fs.pipe_file(shard, fs.cat_file(shard)[:-4])
-    with pytest.raises(
-        StoreError, match=r"shard-r000-000001.safetensors is \d+ bytes, its commit record says"
-    ):
-        FeatureStore(url)
-    fs.rm(shard)
-    with pytest.raises(
-        StoreError, match="shard-r000-000001.safetensors is committed .* but missing"
-    ):
-        FeatureStore(url)
-
-
 def test_opening_reads_headers_and_a_key_reads_only_its_tensors() -> None:
     url = f"countingmemory://iocatch-tests/{uuid.uuid4().hex}/run"
     data = batches(n=64, width=4096)  # bfloat16 rows of 8 KiB next to small float32 ones

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.training import StoreRows
 from tests.lightning_models import trainer
-from tests.s3_server import S3Server, s3_available
+from tests.s3_server import S3Server
 from tests.store.test_object_store import batches, dump, object_location
 from tests.store.test_writer_resume import (
     SHARD_BYTES,
@@ -46,26 +45,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:predict returned None")  # skipp
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"spec": None, "stage": "predict", "dtype": None}
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[S3Server]:
-    reason = s3_available()
-    if reason is not None:
-        pytest.skip(reason)
-    try:
-        running = S3Server().start()
-    except Exception as error:  # any failure to start is a reason to skip, not to fail
-        pytest.skip(f"the local S3 server cannot start: {type(error).__name__}: {error}")
-    yield running
-    running.stop()
-
-
-@pytest.fixture
-def bucket(server: S3Server) -> str:
-    name = f"iocatch-{uuid.uuid4().hex[:12]}"
-    server.make_bucket(name)
-    return name
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_iocatch import CaptureBuffer, FeatureWriter, IOCaptureCallback
-from lightning_iocatch.lightning.sinks import BatchCaptures
+from lightning_iocatch import BatchCaptures, CaptureBuffer, FeatureWriter, IOCaptureCallback
 
 
 def fresh(directory: Path) -> Path:

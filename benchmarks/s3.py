@@ -40,16 +40,14 @@ from safetensors.torch import save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/s3_server.py
 
 from lightning_iocatch import FeatureStore
-from lightning_iocatch.store.backends.location import open_backend
+from lightning_iocatch.store import ShardWriter, prepare_store
+from lightning_iocatch.store.backends import ObjectBackend, open_backend
 from lightning_iocatch.store.backends.objects import (
-    ObjectBackend,
     list_objects,
     read_commit_entries,
 )
 from lightning_iocatch.store.names import FORMAT, commit_name
-from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.records import BatchRecord, ShardRecord
-from lightning_iocatch.store.writer import ShardWriter
 from tests.s3_server import Request, S3Server
 
 SETTINGS = {"spec": None, "stage": "predict", "dtype": None}

@@ -21,8 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2Model
 
 from lightning_iocatch import FeatureStore, ModelIOCatcher
-from lightning_iocatch.store.plan import prepare_store
-from lightning_iocatch.store.writer import ShardWriter
+from lightning_iocatch.store import ShardWriter, prepare_store
 
 SPEC = "outputs[h.1]"
 

@@ -28,8 +28,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback
-from lightning_iocatch.lightning.datamodule import StoreDataModule
+from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreDataModule
 
 LAYER = "net.1"
 KEY = f"{LAYER}/outputs"

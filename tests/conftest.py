@@ -1,15 +1,20 @@
-"""Tiny named models shared by the tests, and running a script in its own process."""
+"""Tiny named models shared by the tests, running a script in its own process, and moto's S3
+server on 127.0.0.1 (started once; tests that use it skip where it cannot start)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+from tests.s3_server import S3Server, s3_available
 
 
 class RowLinear(nn.Linear):
@@ -80,3 +85,23 @@ def run_script(script: Path | str, *args: str, timeout: float = 300) -> None:
         timeout=timeout,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[S3Server]:
+    reason = s3_available()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        running = S3Server().start()
+    except Exception as error:  # any failure to start is a reason to skip, not to fail
+        pytest.skip(f"the local S3 server cannot start: {type(error).__name__}: {error}")
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def bucket(server: S3Server) -> str:
+    name = f"iocatch-{uuid.uuid4().hex[:12]}"
+    server.make_bucket(name)
+    return name

@@ -168,9 +168,9 @@ class CaptureSession:
 
     def _capture(self, name: str, kind: Kind, value: Any) -> None:
         """Copy ``value`` through the batch's transform into the buffer; stop if done."""
-        buffer = self.buffer
-        site = Site(name, kind, buffer.calls(name, kind))
-        copied, events, changed = self.catcher.transfer(value, buffer.transform, site)
+        buffer, transform = self.buffer, self.buffer.transform
+        site = None if transform is None else Site(name, kind, buffer.calls(name, kind))
+        copied, events, changed = self.catcher.transfer(value, transform, site)
         buffer.add(name, kind, copied, events, changed)
         if self.early_exit:
             self._pending.discard((name, kind))

@@ -1,0 +1,298 @@
+"""IndexSet: a set of dataset indices whose memory grows with its runs, not its members.
+
+Dataset indices arrive in batches that are arithmetic progressions almost always: a
+sequential loader gives ``s, s+1, ...``, and each of ``W`` DDP ranks gives ``r, r+W, ...``.
+An :class:`IndexSet` keeps, for each step ``s`` and residue ``r = i mod s`` it has seen,
+the sorted, disjoint intervals of ``q = i // s``: a dump of 10^8 contiguous samples by 8
+processes is 8 intervals, whatever its size, and an index up to ``2**63 - 1`` costs what
+any other does. Indices that are no progression (a shuffled loader) are kept as runs of
+step 1. Membership, adding a batch, the union as ranges of step 1 (:meth:`ranges`) and the
+members of a progression already present (:meth:`overlap`) all work on intervals. Intervals
+are closed (``first, last``), so that ``2**63 - 1`` itself needs no bound past it.
+
+Example:
+    >>> seen = IndexSet()
+    >>> seen.add(range(0, 8, 2)); seen.add(range(1, 8, 2)); seen.add([20, 21, 22])
+    >>> seen.ranges().tolist(), len(seen)
+    ([[0, 7], [20, 22]], 11)
+    >>> seen.contains([6, 9, 21]).tolist()
+    [True, False, True]
+    >>> seen.overlap(0, 5, 10).tolist()  # 0, 5, 10, ..., 45 already present
+    [0, 5, 20]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["IndexSet", "progression"]
+
+_PENDING = 256  # intervals added one by one before they are merged into the sorted arrays
+
+
+def progression(indices: np.ndarray) -> tuple[int, int, int] | None:
+    """``(start, step, count)`` when ``indices`` (sorted, distinct, non-empty) are one
+    arithmetic progression, else ``None``."""
+    if indices.size == 1:
+        return int(indices[0]), 1, 1
+    step = int(indices[1] - indices[0])
+    if step >= 1 and bool((np.diff(indices) == step).all()):
+        return int(indices[0]), step, int(indices.size)
+    return None
+
+
+class _Intervals:
+    """Sorted, disjoint, non-adjacent closed intervals ``[first, last]`` of integers
+    (``starts`` and ``stops`` hold the firsts and lasts)."""
+
+    def __init__(self) -> None:
+        self.starts = np.empty(0, dtype=np.int64)
+        self.stops = np.empty(0, dtype=np.int64)
+        self._pending: list[tuple[int, int]] = []
+
+    def add(self, first: int, last: int) -> None:
+        if self._pending and self._pending[-1][1] == first - 1:  # the common case: extend
+            self._pending[-1] = (self._pending[-1][0], last)
+        else:
+            self._pending.append((first, last))
+        if len(self._pending) >= _PENDING:
+            self.merge()
+
+    def add_many(self, starts: np.ndarray, stops: np.ndarray) -> None:
+        self.merge()
+        self._merge_arrays(starts, stops)
+
+    def merge(self) -> None:
+        if self._pending:
+            pending = np.array(self._pending, dtype=np.int64).reshape(-1, 2)
+            self._pending = []
+            self._merge_arrays(pending[:, 0], pending[:, 1])
+
+    def _merge_arrays(self, starts: np.ndarray, stops: np.ndarray) -> None:
+        starts = np.concatenate([self.starts, starts])
+        stops = np.concatenate([self.stops, stops])
+        order = np.argsort(starts, kind="stable")
+        starts, stops = starts[order], stops[order]
+        reach = np.maximum.accumulate(stops)
+        new = np.ones(starts.size, dtype=bool)
+        new[1:] = starts[1:] - 1 > reach[:-1]  # a gap before it: a new interval starts here
+        firsts = np.flatnonzero(new)
+        self.starts = starts[firsts]
+        self.stops = reach[np.append(firsts[1:] - 1, starts.size - 1)] if starts.size else reach
+
+    def contains(self, values: np.ndarray) -> np.ndarray:
+        self.merge()
+        at = np.searchsorted(self.starts, values, side="right") - 1
+        inside = at >= 0
+        inside[inside] = values[inside] <= self.stops[at[inside]]
+        return inside
+
+    def overlap(self, first: int, last: int) -> list[tuple[int, int]]:
+        """The parts of ``[first, last]`` that these intervals cover, as closed intervals."""
+        self.merge()
+        low = int(np.searchsorted(self.stops, first, side="left"))
+        high = int(np.searchsorted(self.starts, last, side="right"))
+        return [
+            (max(first, int(a)), min(last, int(b)))
+            for a, b in zip(self.starts[low:high], self.stops[low:high], strict=True)
+        ]
+
+    def span(self) -> tuple[int, int] | None:
+        """The first and last integer covered, or ``None`` when empty."""
+        self.merge()
+        return (int(self.starts[0]), int(self.stops[-1])) if self.starts.size else None
+
+
+class IndexSet:
+    """Non-negative dataset indices (see the module docstring). Pickles compactly."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, int], _Intervals] = {}  # (step, residue) -> q-intervals
+
+    def _group(self, step: int, residue: int) -> _Intervals:
+        if (step, residue) not in self._groups:
+            self._groups[(step, residue)] = _Intervals()
+        return self._groups[(step, residue)]
+
+    def add_progression(self, start: int, step: int, count: int) -> None:
+        """Add ``start, start + step, ..., start + (count - 1) * step``."""
+        if count <= 0:
+            return
+        step = 1 if count == 1 else step
+        quotient = start // step
+        self._group(step, start % step).add(quotient, quotient + count - 1)
+
+    def add(self, indices: Iterable[int] | np.ndarray) -> None:
+        """Add ``indices`` (any order, repeats allowed)."""
+        values = np.unique(np.asarray(list(indices) if not isinstance(indices, np.ndarray)
+                                      else indices, dtype=np.int64))  # fmt: skip
+        if not values.size:
+            return
+        found = progression(values)
+        if found is not None:
+            self.add_progression(*found)
+            return
+        breaks = np.flatnonzero(np.diff(values) != 1) + 1  # runs of step 1
+        firsts = values[np.concatenate([[0], breaks])]
+        lasts = values[np.concatenate([breaks - 1, [values.size - 1]])]
+        self._group(1, 0).add_many(firsts, lasts)
+
+    def contains(self, indices: Iterable[int] | np.ndarray) -> np.ndarray:
+        """For each index, whether the set holds it."""
+        values = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices),
+                            dtype=np.int64)  # fmt: skip
+        found = np.zeros(values.shape, dtype=bool)
+        for (step, residue), intervals in self._groups.items():
+            mine = (values % step == residue) & ~found
+            if mine.any():
+                found[mine] = intervals.contains(values[mine] // step)
+        return found
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, int) and bool(self.contains([index])[0])
+
+    def overlap(self, start: int, step: int, count: int) -> np.ndarray:
+        """The members of the progression ``start, start + step, ...`` (``count`` of them)
+        already in the set, ascending; work bounded by the parts it overlaps."""
+        if count <= 0:
+            return np.empty(0, dtype=np.int64)
+        step = 1 if count == 1 else step
+        high = start + step * (count - 1)
+        found: list[np.ndarray] = []
+        for (s, r), intervals in self._groups.items():
+            span = intervals.span()
+            if span is None or span[1] * s + r < start or span[0] * s + r > high:
+                continue
+            if s == step and r == start % step:  # the same progression: in its q-space
+                q0 = start // step
+                for a, b in intervals.overlap(q0, q0 + count - 1):
+                    found.append(np.arange(a, b + 1, dtype=np.int64) * step + r)
+                continue
+            low = max(start, span[0] * s + r)  # another progression: test its members
+            first = start + -(-(low - start) // step) * step
+            last = min(high, span[1] * s + r)
+            if first <= last:
+                members = np.arange(first, last + 1, step, dtype=np.int64)
+                found.append(members[intervals_contains(intervals, members, s, r)])
+        if not found:
+            return np.empty(0, dtype=np.int64)
+        return np.unique(np.concatenate(found))
+
+    def ranges(self) -> np.ndarray:
+        """The set as sorted, disjoint, closed ranges ``[first, last]`` of step 1: an
+        ``(n, 2)`` int64 array."""
+        starts: list[np.ndarray] = []
+        stops: list[np.ndarray] = []
+        for step in sorted({s for s, _ in self._groups}):
+            residues = {r: self._groups[(s, r)] for s, r in self._groups if s == step}
+            for intervals in residues.values():
+                intervals.merge()
+            full = _common(list(residues.values())) if len(residues) == step else None
+            for residue, intervals in residues.items():
+                rest = (intervals.starts, intervals.stops)
+                if full is not None and step > 1:
+                    rest = _minus(intervals.starts, intervals.stops, *full)
+                if step == 1:
+                    starts.append(rest[0])
+                    stops.append(rest[1])
+                    continue
+                points = np.concatenate(
+                    [np.arange(a, b + 1, dtype=np.int64) for a, b in zip(*rest, strict=True)]
+                    or [np.empty(0, dtype=np.int64)]
+                )
+                starts.append(points * step + residue)
+                stops.append(points * step + residue)
+            if full is not None and step > 1:  # every residue of q: the values q*s .. q*s+s-1
+                starts.append(full[0] * step)
+                stops.append(full[1] * step + (step - 1))
+        merged = _Intervals()
+        if starts:
+            merged.add_many(np.concatenate(starts), np.concatenate(stops))
+        return np.stack([merged.starts, merged.stops], axis=1)
+
+    def __len__(self) -> int:
+        bounds = self.ranges()
+        return int((bounds[:, 1] - bounds[:, 0] + 1).sum())
+
+    def __bool__(self) -> bool:
+        return any(intervals.span() is not None for intervals in self._groups.values())
+
+    def __getstate__(self) -> dict[str, Any]:
+        for intervals in self._groups.values():
+            intervals.merge()
+        return {
+            "groups": {
+                key: (intervals.starts, intervals.stops) for key, intervals in self._groups.items()
+            }
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._groups = {}
+        for key, (starts, stops) in state["groups"].items():
+            intervals = _Intervals()
+            intervals.starts, intervals.stops = starts, stops
+            self._groups[key] = intervals
+
+    def __repr__(self) -> str:
+        runs = sum(i.starts.size + len(i._pending) for i in self._groups.values())
+        return f"IndexSet({len(self)} indices in {runs} runs)"
+
+
+def intervals_contains(
+    intervals: _Intervals, values: np.ndarray, step: int, residue: int
+) -> np.ndarray:
+    """Whether each of ``values`` is ``residue + q * step`` for a ``q`` the intervals hold."""
+    mine = values % step == residue
+    found = np.zeros(values.shape, dtype=bool)
+    found[mine] = intervals.contains(values[mine] // step)
+    return found
+
+
+def _common(groups: list[_Intervals]) -> tuple[np.ndarray, np.ndarray]:
+    """The q-intervals every one of ``groups`` covers."""
+    starts, stops = groups[0].starts, groups[0].stops
+    for other in groups[1:]:
+        starts, stops = _intersect(starts, stops, other.starts, other.stops)
+    return starts, stops
+
+
+def _intersect(
+    a0: np.ndarray, a1: np.ndarray, b0: np.ndarray, b1: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    out0, out1 = [], []
+    i = j = 0
+    while i < a0.size and j < b0.size:
+        low, high = max(a0[i], b0[j]), min(a1[i], b1[j])
+        if low <= high:
+            out0.append(low)
+            out1.append(high)
+        if a1[i] < b1[j]:
+            i += 1
+        else:
+            j += 1
+    return np.array(out0, dtype=np.int64), np.array(out1, dtype=np.int64)
+
+
+def _minus(
+    a0: np.ndarray, a1: np.ndarray, b0: np.ndarray, b1: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Closed intervals ``[a0, a1]`` without ``[b0, b1]`` (both sorted and disjoint)."""
+    out0, out1 = [], []
+    j = 0
+    for first, last in zip(a0.tolist(), a1.tolist(), strict=True):
+        while j < b0.size and int(b1[j]) < first:
+            j += 1
+        k, at = j, first  # the first integer not yet emitted or removed
+        while k < b0.size and int(b0[k]) <= last:
+            if int(b0[k]) > at:
+                out0.append(at)
+                out1.append(int(b0[k]) - 1)
+            at = max(at, int(b1[k]) + 1)
+            k += 1
+        if at <= last:
+            out0.append(at)
+            out1.append(last)
+    return np.array(out0, dtype=np.int64), np.array(out1, dtype=np.int64)

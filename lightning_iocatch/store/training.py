@@ -115,7 +115,8 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         on_duplicate: as :class:`~lightning_iocatch.FeatureStore`'s.
         dataloader_idx: which predict dataloader's captures to read.
         rank: this process's data-parallel rank, with ``world_size``; default: from
-            ``torch.distributed`` when initialised, else 0 of 1.
+            ``torch.distributed`` when initialised (carried to DataLoader workers whatever
+            their start method), else 0 of 1 where ``WORLD_SIZE`` says one process.
         world_size: the number of data-parallel processes.
         storage_options: fsspec options for a URL ``path`` (credentials, endpoint, ...).
     """
@@ -210,14 +211,17 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         return int(self._epoch)
 
     def _rank_and_world(self) -> tuple[int, int]:
+        """Given ones; else the process group's (the main process, a forked worker); else,
+        in a worker started by spawn or forkserver, what the process that started it
+        resolved; else 0 of 1 where this is one process of one, an error otherwise."""
         if self._ranks is not None:
             return self._ranks
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
         if get_worker_info() is not None and self._carried is not None:
-            # a worker started by spawn or forkserver: what the main process resolved
             if isinstance(self._carried, str):
                 raise StoreError(self._carried)
             return self._carried
-        # the main process, or a forked worker, which has its parent's process group
         return _data_parallel_rank()
 
     def __getstate__(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""training_data.py and datamodule.py: a store as shuffled training batches, each row once.
+"""store/training.py, lightning/datamodule.py: a store as shuffled batches, each row once.
 
 Stores are written by the real writer: FeatureWriter in a Trainer predict, and its
 Trainer-free core ShardWriter where a store needs what one predict cannot give (an index
@@ -6,7 +6,7 @@ committed by two ranks, a key in only some batches, a tensor stored once per bat
 ground truth is the data set's own indices ``0 .. N-1`` and the store read by FeatureStore.
 Run as a script, this file is one rank of the 2-process DDP training run::
 
-    python tests/store/test_training_data.py STORE OUT_DIR
+    python tests/store/test_training_data.py STORE OUT_DIR START_METHOD
 """
 
 from __future__ import annotations
@@ -337,6 +337,22 @@ def test_ranks_that_see_different_stores_all_raise(dumped: Path) -> None:
 
     with pytest.raises(StoreError, match="not every process sees the same rows"):
         data._agree(Strategy())  # type: ignore[arg-type]
+
+
+def test_a_worker_of_a_rank_reads_the_rank_of_its_process_group(
+    dumped: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A StoreRows pickled before the process group exists (``ddp_spawn`` pickles the data
+    module in its launcher) and read by a forked worker of rank 1 of 2: the worker has its
+    parent's process group, which wins over what the earlier pickle carried (0 of 1)."""
+    early = pickle.loads(pickle.dumps(StoreRows(dumped, KEYS, batch_size=4, with_indices=True)))
+    monkeypatch.setattr(training_data.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(training_data.dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(training_data.dist, "get_world_size", lambda group=None: 2)
+    info = SimpleNamespace(id=0, num_workers=1)
+    monkeypatch.setattr(training_data, "get_worker_info", lambda: info)
+    rows = sorted(i for batch in early for i in batch[INDEX].tolist())
+    assert len(rows) == 22 and len(early) == 6  # rank 1's share of 45 rows, not all 45
 
 
 def test_a_process_that_cannot_tell_its_rank_is_refused(

@@ -100,13 +100,16 @@ class TokenRows:
             ``batch["attention_mask"]`` (the batch must then be a mapping holding it).
         token_ids: ``token_ids(batch) -> (batch, seq)`` integer tensor recorded with each
             row; default: ``batch["input_ids"]`` where the batch is a mapping holding it.
-        drop_first: drop each sequence's first real token (BOS): where the batch's
-            ``attention_mask`` is first 1 (position 0 without left padding), or, in a batch
-            without ``attention_mask``, the first token ``mask`` selects. Positions count
-            from the same first real token.
+        drop_first: drop each sequence's first real token (BOS): the first where the
+            padding mask is 1. Needs a padding mask: a batch without ``attention_mask``
+            needs ``padding=``.
         drop_token_ids: drop tokens with these ids (special tokens); needs token ids.
         reduce: ``None`` for one row per token; ``"mean"``, ``"first"`` or ``"last"`` for
             one row per sample.
+        padding: ``padding(batch) -> (batch, seq)`` tensor, 1 for real tokens and 0 for
+            padding: where each sequence starts; default: ``batch["attention_mask"]``
+            where the batch is a mapping holding it. Positions count from the first real
+            token (left padding not counted); without a padding mask, from column 0.
     """
 
     mask: Callable[[Any], torch.Tensor] | None = None
@@ -114,10 +117,11 @@ class TokenRows:
     drop_first: bool = False
     drop_token_ids: Iterable[int] = ()
     reduce: Reduce | None = None
+    padding: Callable[[Any], torch.Tensor] | None = None
     _drop: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("mask", "token_ids"):
+        for name in ("mask", "token_ids", "padding"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(
@@ -142,13 +146,16 @@ class TokenRows:
 
     def settings(self) -> dict[str, Any]:
         """What a store records of this selection (a resume must use the same)."""
-        return {
+        settings = {
             "mask": _function_name(self.mask, "attention_mask"),
             "token_ids": _function_name(self.token_ids, "input_ids"),
             "drop_first": self.drop_first,
             "drop_token_ids": list(self._drop),
             "reduce": self.reduce,
         }
+        if self.padding is not None:  # left out by default: stores written before it resume
+            settings["padding"] = _function_name(self.padding, "attention_mask")
+        return settings
 
     def select(self, batch: Any) -> TokenSelection:
         """The tokens of ``batch`` to keep, computed on the batch's device.
@@ -173,16 +180,36 @@ class TokenRows:
             keep &= ~torch.isin(ids, torch.tensor(self._drop, device=ids.device))
         return TokenSelection(keep, ids, self.reduce, start)
 
-    @staticmethod
-    def _first_real_token(batch: Any, mask: torch.Tensor) -> torch.Tensor:
-        """Per sample, the column of its first token that is not padding: where the batch's
-        ``attention_mask`` is first 1 (left padding), or, in a batch without one, where the
-        selection ``mask`` is first true (0 for a sample with none)."""
+    def _first_real_token(self, batch: Any, mask: torch.Tensor) -> torch.Tensor:
+        """Per sample, the column of its first real token (where the padding mask is first
+        1); 0 without a padding mask, which ``drop_first`` refuses."""
+        zeros = torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
+        padding: Any
+        if self.padding is not None:
+            padding, where = self.padding(batch), "`padding(batch)`"
+        else:
+            padding = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+            where = "batch['attention_mask']"
+            if not isinstance(padding, torch.Tensor) or padding.shape != mask.shape:
+                padding = None
+        if padding is None:
+            if self.drop_first:
+                raise ValueError(
+                    "TokenRows(drop_first=True) drops each sequence's first real token, but "
+                    f"the batch is a {type(batch).__name__} without an 'attention_mask' that "
+                    "says where its sequences start: pass `padding=` a function of the batch "
+                    "giving 1 for real tokens and 0 for padding, e.g. "
+                    "TokenRows(..., padding=lambda batch: batch[1])"
+                )
+            return zeros
+        if not isinstance(padding, torch.Tensor) or padding.shape != mask.shape:
+            shown = tuple(padding.shape) if isinstance(padding, torch.Tensor) else padding
+            raise ValueError(
+                f"TokenRows: {where} must be a tensor of the mask's shape {tuple(mask.shape)}, "
+                f"got {shown!r:.80}"
+            )
         if not mask.shape[1]:
-            return torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
-        padding = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-        if not isinstance(padding, torch.Tensor) or tuple(padding.shape) != tuple(mask.shape):
-            padding = mask
+            return zeros
         return (padding.to(mask.device) != 0).int().argmax(1)
 
     def _mask(self, batch: Any) -> torch.Tensor:

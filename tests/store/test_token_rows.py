@@ -489,17 +489,20 @@ def test_a_ledger_record_keeps_the_samples_without_rows() -> None:
             ShardRecord.from_json(json.dumps(damaged), version=1)
 
 
-def test_drop_first_with_a_mask_of_ones_own_finds_the_first_real_token_without_attention_mask() -> (
-    None
-):
+def test_drop_first_in_a_batch_without_attention_mask_takes_the_padding_it_is_given() -> None:
     """A left-padded tuple batch, selected by ``mask=``: before, the first real token was
     looked for in ``batch["attention_mask"]`` only, so column 0 (padding) was dropped, the
-    BOS kept, and positions counted the padding (2, 3, 4 instead of 1, 2)."""
+    BOS kept, and positions counted the padding (2, 3, 4 instead of 1, 2). Now ``padding=``
+    says where the sequences start, and without it ``drop_first`` is refused."""
     ids = torch.tensor([[0, 0, 1, 5, 6], [1, 7, 8, 9, 4]])
     padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    batch = (ids, padding)
+    answer = lambda batch: batch[1] == 1  # noqa: E731
+    with pytest.raises(ValueError, match=r"without an 'attention_mask' .* pass `padding=`"):
+        TokenRows(mask=answer, drop_first=True).select(batch)
     selection = TokenRows(
-        mask=lambda batch: batch[1] == 1, token_ids=lambda batch: batch[0], drop_first=True
-    ).select((ids, padding))
+        mask=answer, token_ids=lambda b: b[0], drop_first=True, padding=lambda b: b[1]
+    ).select(batch)
     # by hand: sample 0's real tokens are columns 2..4 (BOS at 2), sample 1's columns 0..4
     assert selection.sample.tolist() == [0, 0, 1, 1, 1, 1]
     assert selection.position is not None and selection.token_id is not None
@@ -509,3 +512,16 @@ def test_drop_first_with_a_mask_of_ones_own_finds_the_first_real_token_without_a
     assert with_mask.position is not None and with_mask.token_id is not None
     assert with_mask.position.tolist() == selection.position.tolist()  # the same rule
     assert with_mask.token_id.tolist() == selection.token_id.tolist()
+
+
+def test_positions_count_from_the_first_real_token_not_the_first_selected_one() -> None:
+    """A mask that selects only some tokens (an answer after its prompt): positions stay
+    positions in the sequence; without a padding mask they are columns, as before."""
+    ids = torch.tensor([[0, 1, 5, 6, 7]])
+    padding = torch.tensor([[0, 1, 1, 1, 1]])
+    answer = lambda batch: torch.tensor([[False, False, False, True, True]])  # noqa: E731
+    given = TokenRows(mask=answer, padding=lambda b: b[1]).select((ids, padding))
+    plain = TokenRows(mask=answer).select((ids, padding))
+    assert given.position is not None and plain.position is not None
+    assert given.position.tolist() == [2, 3] and plain.position.tolist() == [3, 4]
+    assert "padding" not in TokenRows().settings()  # stores written before it still resume

@@ -187,27 +187,28 @@ class FeatureWriter(CaptureSink):
     def on_loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == self.stage:
             self._end(abort=True)  # a loop that never reached its end leaves nothing running
-            if self._dumped:
+            if self._dumped and self.mode != "resume":
                 raise StoreError(
-                    f"this FeatureWriter already wrote its dump to {self.path} in an earlier "
-                    "trainer.predict; a FeatureWriter writes one dump: give this predict a "
-                    "new FeatureWriter with another path, or FeatureWriter(path, "
-                    "mode='resume') to continue that dump"
+                    f"this FeatureWriter (mode={self.mode!r}) already wrote its dump to "
+                    f"{self.path} in an earlier trainer.predict, and a second run in that "
+                    "mode would write over it: for another dump give the callback a new "
+                    "FeatureWriter with another path; to continue this one (say, after a "
+                    "failure), IOCaptureCallback(..., writer=FeatureWriter(path, "
+                    "mode='resume'))"
                 )
             reason = missing_indices_reason(trainer, stage)
             if reason is not None:
                 raise StoreError(f"FeatureWriter stores rows by dataset index, but {reason}")
-            plan = self._plan(trainer)
-            self._dumped = True  # from here on the path holds this writer's store
             self._core = ShardWriter(
                 self.path,
                 rank=trainer.global_rank,
-                plan=plan,
+                plan=self._plan(trainer),
                 max_shard_bytes=self.max_shard_bytes,
                 queue_size=self.queue_size,
                 durable=self.durable,
                 dtype=self.dtype,
             )
+            self._dumped = True  # from here on the path holds this writer's dump
 
     def skip_batch(self, stage: str, dataloader_idx: int, indices: tuple[int, ...] | None) -> bool:
         if stage != self.stage or not indices or self._core is None:

@@ -25,10 +25,7 @@ from lightning_iocatch.store.names import (
     FORMAT,
     INDEX_KEY,
     STORE_FILE,
-    commit_rank_and_seq,
-    is_own_object,
     is_store_file,
-    ledger_rank,
     shard_rank_and_seq,
 )
 
@@ -130,14 +127,11 @@ def _store_json(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _never_committed(names: Iterable[str]) -> bool:
-    """Whether ``names`` are a store's own files of a start that committed nothing: its
-    ``store.json``, perhaps a shard or temporary file, no ledger and no commit record (a
-    dump refused at its first batch, or killed before its first commit)."""
+    """Whether ``names`` are what a start that never wrote a shard leaves: ``store.json``
+    and the store's own temporary files (a dump refused at its first batch). A shard, even
+    one no record commits, is more than that: ``create`` never deletes it."""
     return all(
-        (is_store_file(name) or is_own_object(name))
-        and ledger_rank(name) is None
-        and not commit_rank_and_seq(name)
-        for name in names
+        name == STORE_FILE or (name.endswith(".tmp") and is_store_file(name)) for name in names
     )
 
 

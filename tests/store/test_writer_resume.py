@@ -265,6 +265,22 @@ def test_a_dump_refused_at_its_first_batch_leaves_nothing_in_the_way(
     assert torch.equal(store["embed/outputs"], truth)
 
 
+def test_create_takes_over_only_a_start_that_wrote_no_shard(tmp_path: Path) -> None:
+    """A shard without a record (its ledger lost, or copied without it) is someone's only
+    copy: ``create`` refuses it, naming overwrite, and deletes nothing."""
+    from lightning_iocatch.store.plan import prepare_store
+
+    settings = {"spec": SPEC, "stage": "predict"}
+    prepare_store(tmp_path, "create", settings)
+    (tmp_path / "shard-r000-000000.safetensors.tmp").write_bytes(b"cut short")
+    prepare_store(tmp_path, "create", settings)  # store.json and a .tmp: taken over
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store.json"]
+    (tmp_path / "shard-r000-000000.safetensors").write_bytes(b"finished, no record")
+    with pytest.raises(StoreError, match="is not empty; .*mode='overwrite'"):
+        prepare_store(tmp_path, "create", settings)
+    assert (tmp_path / "shard-r000-000000.safetensors").read_bytes() == b"finished, no record"
+
+
 def test_a_resume_with_other_settings_is_refused_once_anything_is_committed(
     killed: Path, tmp_path: Path
 ) -> None:
@@ -286,10 +302,17 @@ def test_a_second_predict_with_the_same_writer_is_refused_naming_the_fix(
     run.predict(Dump(weights), indexed_loader(4), return_predictions=False)
     with pytest.raises(
         StoreError,
-        match=r"already wrote its dump to .*store in an earlier "
-        r"trainer\.predict; a FeatureWriter writes one dump: .*mode='resume'",
+        match=r"\(mode='create'\) already wrote its dump to .*store in an earlier "
+        r"trainer\.predict, and a second run in that mode would write over it: .*mode='resume'",
     ):
         run.predict(Dump(weights), indexed_loader(4), return_predictions=False)
+    assert_exactly_once(tmp_path / "store", weights)
+    resuming = IOCaptureCallback(SPEC, writer=FeatureWriter(tmp_path / "store", mode="resume"))
+    again = trainer([resuming])
+    for _ in range(2):  # a resume may run again: after a failure, or with a smaller batch
+        module = Dump(weights)
+        again.predict(module, indexed_loader(5), return_predictions=False)
+        assert module.computed == []
     assert_exactly_once(tmp_path / "store", weights)
 
 

@@ -4,7 +4,7 @@ The spec grammar and name resolution (:mod:`~lightning_iocatch.capture.spec`), s
 whose hooks exist only while open (:mod:`~lightning_iocatch.capture.catcher`), the
 coordinator that lets sessions on one model compose and stops forwards early
 (:mod:`~lightning_iocatch.capture.coordinator`), snapshots and copies off the model
-(:mod:`~lightning_iocatch.capture.transfer`, the GPU path in
+(:mod:`~lightning_iocatch.capture.snapshots`, the GPU path in
 :mod:`~lightning_iocatch.capture.host_copy` and :mod:`~lightning_iocatch.capture.pinned_ring`),
 the settled read-only buffer (:mod:`~lightning_iocatch.capture.buffer`), the flat key of a
 captured value (:mod:`~lightning_iocatch.capture.keys`) and ``torch.compile`` support
@@ -14,8 +14,8 @@ captured value (:mod:`~lightning_iocatch.capture.keys`) and ``torch.compile`` su
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher, module_index
 from lightning_iocatch.capture.keys import flatten_captures, flatten_value
+from lightning_iocatch.capture.snapshots import NotCaptured, snapshot, transfer_to_device
 from lightning_iocatch.capture.spec import CaptureSpec, format_io_spec, parse_io_spec
-from lightning_iocatch.capture.transfer import NotCaptured, snapshot, transfer_to_device
 
 __all__ = [
     "CaptureBuffer",

@@ -23,13 +23,13 @@ from torch import nn
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.coordinator import COORDINATOR, ForwardCoordinator
 from lightning_iocatch.capture.session import CaptureSession
+from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.spec import (
     WRAPPER_COMPONENTS,
     CaptureSpec,
     canonical_name,
     resolve_names,
 )
-from lightning_iocatch.capture.transfer import CaptureTransfer
 from lightning_iocatch.capture.transform import CaptureTransform
 from lightning_iocatch.checks import check_bool, check_int, parse_device, parse_dtype
 from lightning_iocatch.errors import CaptureError

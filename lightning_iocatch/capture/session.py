@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.compiled import prepare_for_hooks
 from lightning_iocatch.capture.coordinator import ForwardCoordinator
-from lightning_iocatch.capture.transfer import CaptureTransfer
+from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
 from lightning_iocatch.errors import CaptureError
 

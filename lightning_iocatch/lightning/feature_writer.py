@@ -4,7 +4,7 @@ The Lightning side of the store's writer: it decides on rank 0 what the director
 and broadcasts that decision, then hands each batch's flattened captures to a
 :class:`~lightning_iocatch.store.writer.ShardWriter` (the Trainer-free core, where the
 writing rules live). See :mod:`lightning_iocatch.store.names` and
-:mod:`lightning_iocatch.store.ledger` for the format and :class:`~lightning_iocatch.FeatureStore`
+:mod:`lightning_iocatch.store.commits` for the format and :class:`~lightning_iocatch.FeatureStore`
 to read it.
 """
 

@@ -1,7 +1,7 @@
 """The store: what a dump is, wherever it lives, with no Lightning and no capture.
 
 The format (:mod:`~lightning_iocatch.store.names`, :mod:`~lightning_iocatch.store.records`,
-:mod:`~lightning_iocatch.store.ledger`, :mod:`~lightning_iocatch.store.shard_file`), the
+:mod:`~lightning_iocatch.store.commits`, :mod:`~lightning_iocatch.store.shard_file`), the
 places a store lives (:mod:`lightning_iocatch.store.backends`), the writing core
 (:mod:`~lightning_iocatch.store.plan`, :mod:`~lightning_iocatch.store.exactly_once`,
 :mod:`~lightning_iocatch.store.writer`), reading (:mod:`~lightning_iocatch.store.reader`),

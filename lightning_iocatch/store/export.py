@@ -29,7 +29,7 @@ import torch
 from lightning_iocatch.store.export_columns import (
     INDEX_COLUMN,
     LAYOUTS,
-    Column,
+    ExportColumn,
     ExportError,
     Layout,
     plain_columns,
@@ -157,7 +157,7 @@ def _require_datasets() -> None:
 # Choosing the columns: every check before anything is written
 
 
-def _check_same_rows(store: FeatureStore, columns: list[Column]) -> None:
+def _check_same_rows(store: FeatureStore, columns: list[ExportColumn]) -> None:
     first = store.indices_of(columns[0].key)
     for column in columns[1:]:
         other = store.indices_of(column.key)
@@ -172,7 +172,7 @@ def _check_same_rows(store: FeatureStore, columns: list[Column]) -> None:
 # Writing
 
 
-def _features(columns: list[Column]) -> Features:
+def _features(columns: list[ExportColumn]) -> Features:
     from datasets import Array2D, Array3D, Array4D, Array5D, Features, List, Value
 
     arrays: dict[int, Any] = {2: Array2D, 3: Array3D, 4: Array4D, 5: Array5D}
@@ -189,9 +189,9 @@ def _features(columns: list[Column]) -> Features:
 
 
 def _chunks(
-    store: FeatureStore, columns: list[Column], batch_rows: int
+    store: FeatureStore, columns: list[ExportColumn], batch_rows: int
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Column arrays of at most ``batch_rows`` rows, stored batch by stored batch."""
+    """ExportColumn arrays of at most ``batch_rows`` rows, stored batch by stored batch."""
     streams = [store.batches(column.key) for column in columns]
     for parts in zip(*streams, strict=True):
         indices = parts[0][0]
@@ -208,7 +208,7 @@ def _chunks(
             yield chunk
 
 
-def _to_numpy(rows: torch.Tensor, column: Column) -> np.ndarray:
+def _to_numpy(rows: torch.Tensor, column: ExportColumn) -> np.ndarray:
     target = getattr(torch, column.dtype)
     if rows.dtype != target:  # bfloat16 widened; token ids narrowed to int32, never wrapped
         if not target.is_floating_point and rows.numel():
@@ -222,7 +222,9 @@ def _to_numpy(rows: torch.Tensor, column: Column) -> np.ndarray:
     return rows.contiguous().numpy()
 
 
-def _write(store: FeatureStore, columns: list[Column], out: Path, batch_rows: int | None) -> None:
+def _write(
+    store: FeatureStore, columns: list[ExportColumn], out: Path, batch_rows: int | None
+) -> None:
     from datasets import Dataset
     from datasets.arrow_writer import ArrowWriter
 

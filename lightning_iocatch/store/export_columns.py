@@ -21,7 +21,7 @@ __all__ = [
     "INDEX_COLUMN",
     "LAYOUTS",
     "TOKEN_IDS_COLUMN",
-    "Column",
+    "ExportColumn",
     "ExportError",
     "Layout",
     "plain_columns",
@@ -63,7 +63,7 @@ class ExportError(ValueError):
 
 
 @dataclass(frozen=True)
-class Column:
+class ExportColumn:
     """One exported column: which key it reads, its name, row shape and Arrow dtype."""
 
     key: str
@@ -111,11 +111,11 @@ def _key_info(meta: dict[str, Any], path: StoreBackend, key: str) -> tuple[tuple
 
 def plain_columns(
     meta: dict[str, Any], path: StoreBackend, keys: Sequence[str] | None
-) -> list[Column]:
+) -> list[ExportColumn]:
     columns = []
     for key in _normalise_keys(meta, path, keys):
         shape, dtype = _key_info(meta, path, key)
-        columns.append(Column(key, key, shape, ARROW_DTYPES[dtype]))
+        columns.append(ExportColumn(key, key, shape, ARROW_DTYPES[dtype]))
     return columns
 
 
@@ -140,7 +140,7 @@ def saelens_columns(
     keys: Sequence[str] | None,
     hook_name: str | None,
     token_ids_key: str | None,
-) -> list[Column]:
+) -> list[ExportColumn]:
     if (meta.get("tokens") or {}).get("reduce", "") is None:
         raise ExportError(
             f"{path} holds token rows (FeatureWriter(tokens=...)), one row per token, while "
@@ -162,7 +162,7 @@ def saelens_columns(
             continue  # with every key offered, only sequence activations are candidates
         shape, dtype = _key_info(meta, path, key)
         if len(shape) == 2 and dtype not in _INTEGER and dtype != "bool":
-            activations.append(Column(key, "", shape, ARROW_DTYPES[dtype]))
+            activations.append(ExportColumn(key, "", shape, ARROW_DTYPES[dtype]))
         elif keys is not None:
             raise ExportError(
                 f"{key!r} has rows of shape {shape} and dtype {dtype}; layout='saelens' "
@@ -176,10 +176,10 @@ def saelens_columns(
         )
     act = activations[0]
     name = hook_name if hook_name is not None else act.key.split("/", 1)[0]
-    columns = [Column(act.key, name, act.shape, act.dtype)]
+    columns = [ExportColumn(act.key, name, act.shape, act.dtype)]
     tokens = _token_ids_key(meta, path, token_ids_key, act.shape[0])
     if tokens is not None:
-        columns.append(Column(tokens, TOKEN_IDS_COLUMN, (act.shape[0],), "int32"))
+        columns.append(ExportColumn(tokens, TOKEN_IDS_COLUMN, (act.shape[0],), "int32"))
     return columns
 
 

@@ -8,7 +8,7 @@ A store is a directory (or a prefix on object storage)::
     commits/r{rank}-{seq}.json      the record of one complete shard (on object storage)
 
 A shard counts only once its record is written: a ledger line (see
-:mod:`lightning_iocatch.store.ledger`) or a commit record. Anything else (a ``.tmp`` file, a
+:mod:`lightning_iocatch.store.commits`) or a commit record. Anything else (a ``.tmp`` file, a
 shard without a record) is debris of an interrupted run.
 
 A store reads and writes only its own files, directly inside its directory: ``store.json``,

@@ -18,7 +18,7 @@ import torch
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.location import open_backend
-from lightning_iocatch.store.ledger import LedgerEntry
+from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.names import INDEX_KEY
 from lightning_iocatch.store.stored_batches import StoredBatch, check_header, read_first_commits
 from lightning_iocatch.suggest import close_names

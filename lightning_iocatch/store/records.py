@@ -1,7 +1,7 @@
 """The record of a committed shard: its file, size and checksum, its batches and keys.
 
 A record is one JSON object, written as a ledger line on disk
-(:mod:`lightning_iocatch.store.ledger`) or as a commit record object on object storage
+(:mod:`lightning_iocatch.store.commits`) or as a commit record object on object storage
 (:mod:`lightning_iocatch.store.backends.objects`). The rules it follows, enforced here:
 
 - **Record checksums.** Each record carries ``record_crc32``: the CRC-32 of its JSON object

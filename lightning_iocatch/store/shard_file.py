@@ -2,7 +2,7 @@
 
 A shard is a plain safetensors file. :func:`write_safetensors` writes one from the
 tensors' own memory (no serialized copy) and computes its CRC-32 on the way, for the
-ledger record (see :mod:`lightning_iocatch.store.ledger`).
+ledger record (see :mod:`lightning_iocatch.store.commits`).
 """
 
 from __future__ import annotations

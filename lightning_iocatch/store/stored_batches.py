@@ -17,7 +17,7 @@ import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Shard
-from lightning_iocatch.store.ledger import LedgerEntry
+from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.names import INDEX_KEY
 from lightning_iocatch.store.shard_file import STORABLE_DTYPES, dtype_name
 

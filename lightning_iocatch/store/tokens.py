@@ -26,7 +26,7 @@ Tensors of other shapes (a pooled ``(batch, d)`` output, decoding steps of
 more than one sample) are not selected; the rule is the shape, so a rotary table in a
 batch of one sample is. A sequence-first layout ``(seq, batch, ...)`` is not recognised.
 The selection's own index tensors are moved here (once per batch, a few bytes per
-token); captured values are copied by :mod:`lightning_iocatch.capture.transfer` as ever.
+token); captured values are copied by :mod:`lightning_iocatch.capture.snapshots` as ever.
 
 Example (a plain loop; :class:`~lightning_iocatch.FeatureWriter` does this for you):
     >>> from torch import nn

@@ -4,7 +4,7 @@ The Trainer-free core of :class:`~lightning_iocatch.FeatureWriter`; nothing here
 Lightning. The caller passes its rank and the :class:`~lightning_iocatch.store.plan.StorePlan`
 that one process made with :func:`~lightning_iocatch.store.plan.prepare_store`. Which rows
 and keys are written is :mod:`lightning_iocatch.store.exactly_once`'s decision; the files are
-:mod:`lightning_iocatch.store.names`' and :mod:`lightning_iocatch.store.ledger`'s format.
+:mod:`lightning_iocatch.store.names`' and :mod:`lightning_iocatch.store.commits`'s format.
 
 The writer's own rules:
 

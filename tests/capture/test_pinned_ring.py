@@ -19,7 +19,7 @@ from torch import nn
 from lightning_iocatch import ModelIOCatcher
 from lightning_iocatch.capture.host_copy import CudaOps
 from lightning_iocatch.capture.pinned_ring import PinnedRing, StagedCopy
-from lightning_iocatch.capture.transfer import CaptureTransfer
+from lightning_iocatch.capture.snapshots import CaptureTransfer
 
 
 def plain_bytes(nbytes: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from lightning_iocatch import IOCaptureCallback, ModelIOCatcher, NotCaptured
-from lightning_iocatch.capture.transfer import snapshot
+from lightning_iocatch.capture.snapshots import snapshot
 from tests.lightning_models import tiny_llama, trainer
 
 IMMUTABLE = (type(None), bool, int, float, str, torch.dtype, torch.device)

@@ -63,7 +63,7 @@ def test_containers_are_new_objects() -> None:
 
 
 def test_capture_transfer_on_cpu_is_synchronous_and_private() -> None:
-    from lightning_iocatch.capture.transfer import CaptureTransfer
+    from lightning_iocatch.capture.snapshots import CaptureTransfer
 
     live = torch.ones(3)
     copied, events, changed = CaptureTransfer(torch.device("cpu"), torch.float16)({"x": [live]})

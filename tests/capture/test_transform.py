@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_iocatch.capture import ModelIOCatcher
-from lightning_iocatch.capture.transfer import CaptureTransfer
+from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.transform import Site
 from tests.capture.test_pinned_ring import FakeCudaOps
 

@@ -23,8 +23,8 @@ from lightning_iocatch import FeatureStore, FeatureWriter, StoreError
 from lightning_iocatch.cli import main
 from lightning_iocatch.store.backends.local_records import read_ledgers
 from lightning_iocatch.store.backends.location import open_backend
+from lightning_iocatch.store.backends.object_location import ObjectLocation
 from lightning_iocatch.store.backends.objects import ObjectBackend
-from lightning_iocatch.store.backends.remote import ObjectLocation
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.training import StoreRows
 from lightning_iocatch.store.writer import ShardWriter

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_iocatch.capture.transfer as transfer_module
+import lightning_iocatch.capture.snapshots as snapshots_module
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreRows, TokenRows
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.local_records import read_ledgers
@@ -154,13 +154,13 @@ def test_tokens_are_selected_before_the_copy_off_the_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     copied: list[tuple[int, ...]] = []
-    real = transfer_module._copy_tensor
+    real = snapshots_module._copy_tensor
 
     def spy(tensor: torch.Tensor, *args: Any) -> torch.Tensor:
         copied.append(tuple(tensor.shape))
         return real(tensor, *args)
 
-    monkeypatch.setattr(transfer_module, "_copy_tensor", spy)
+    monkeypatch.setattr(snapshots_module, "_copy_tensor", spy)
     loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad())
     dump(tmp_path, TokenRows(), loader)
     selected = [int(b["attention_mask"].sum()) for b in loader]

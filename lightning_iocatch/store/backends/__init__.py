@@ -8,8 +8,8 @@ and its :class:`Shard`, never asking where a store is.
 from lightning_iocatch.store.backends.base import Shard, StoreBackend
 from lightning_iocatch.store.backends.local import LocalBackend
 from lightning_iocatch.store.backends.location import open_backend
+from lightning_iocatch.store.backends.object_location import ObjectLocation
 from lightning_iocatch.store.backends.objects import ObjectBackend
-from lightning_iocatch.store.backends.remote import ObjectLocation
 
 __all__ = [
     "LocalBackend",

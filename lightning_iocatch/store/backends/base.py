@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import torch
 
-from lightning_iocatch.store.ledger import LedgerEntry
+from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.records import ShardRecord
 
 __all__ = ["Shard", "StoreBackend", "Write"]

@@ -5,7 +5,7 @@ The POSIX protocol of :class:`LocalBackend`:
 1. **Write the shard** to ``shard-r{rank}-{seq}.safetensors.tmp``, fsync it (``durable``),
    rename it to its final name, fsync the directory: it appears whole or not at all.
 2. **Then append its ledger line** to ``ledger-r{rank}.jsonl`` and fsync it: the commit
-   point (see :mod:`lightning_iocatch.store.ledger`). A shard without one does not exist.
+   point (see :mod:`lightning_iocatch.store.commits`). A shard without one does not exist.
 3. **Readers** read the ledgers (and the ``commits/`` of a store downloaded from object
    storage), check that each committed shard is there with its recorded size, and map the
    shards' tensors with safetensors (``safe_open``) only while they are read.
@@ -47,7 +47,7 @@ from lightning_iocatch.store.backends.local_records import (
     read_commit_files,
     read_ledger_entries,
 )
-from lightning_iocatch.store.ledger import LedgerEntry
+from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.names import (
     COMMITS,
     STORE_FILE,

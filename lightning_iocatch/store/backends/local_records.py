@@ -2,7 +2,7 @@
 object storage.
 
 Ledgers are read, appended (each line fsynced: the commit point) and repaired here, with
-the one decision of :func:`~lightning_iocatch.store.ledger.scan_ledger` about what a
+the one decision of :func:`~lightning_iocatch.store.commits.scan_ledger` about what a
 ledger holds, so that a reader and a resumed writer never disagree about a record.
 """
 
@@ -20,7 +20,7 @@ from lightning_iocatch.store.backends.local_files import (
     open_own_file,
     read_store_json,
 )
-from lightning_iocatch.store.ledger import LedgerEntry, read_commit_record, scan_ledger
+from lightning_iocatch.store.commits import LedgerEntry, read_commit_record, scan_ledger
 from lightning_iocatch.store.names import COMMITS, commit_rank_and_seq, ledger_rank
 from lightning_iocatch.store.records import ShardRecord, format_version
 from lightning_iocatch.store.shard_file import write_all

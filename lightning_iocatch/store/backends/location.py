@@ -17,8 +17,8 @@ from typing import Any
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.local import LocalBackend
+from lightning_iocatch.store.backends.object_location import ObjectLocation
 from lightning_iocatch.store.backends.objects import ObjectBackend
-from lightning_iocatch.store.backends.remote import ObjectLocation
 
 __all__ = ["open_backend"]
 

@@ -52,15 +52,15 @@ from typing import Any
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Shard, StoreBackend, Write
-from lightning_iocatch.store.backends.ranged_reads import open_remote_shards
-from lightning_iocatch.store.backends.remote import (
+from lightning_iocatch.store.backends.object_location import (
     ObjectLocation,
     is_missing_bucket,
     is_remote_failure,
     remote_error,
     remote_request,
 )
-from lightning_iocatch.store.ledger import LedgerEntry, read_commit_record, scan_ledger
+from lightning_iocatch.store.backends.ranged_reads import open_remote_shards
+from lightning_iocatch.store.commits import LedgerEntry, read_commit_record, scan_ledger
 from lightning_iocatch.store.names import (
     STORE_FILE,
     check_store_json,

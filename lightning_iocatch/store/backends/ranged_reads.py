@@ -25,8 +25,12 @@ import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Shard
-from lightning_iocatch.store.backends.remote import ObjectLocation, remote_error, remote_request
-from lightning_iocatch.store.ledger import LedgerEntry
+from lightning_iocatch.store.backends.object_location import (
+    ObjectLocation,
+    remote_error,
+    remote_request,
+)
+from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.shard_file import STORABLE_DTYPES
 
 __all__ = ["RemoteShard", "open_remote_shards"]

@@ -1,4 +1,4 @@
-"""Copy captured values out of a live forward: detach, clone, move and cast, keeping structure.
+"""Snapshots of captured values: detach, private copy, move and cast, keeping structure.
 
 This module is the only place where captured tensors change device or dtype. Two ways:
 
@@ -66,7 +66,7 @@ class NotCaptured:
     Example:
         >>> class Cache: ...
         >>> snapshot({"x": torch.ones(1), "cache": Cache(), "n": 3})["cache"]
-        NotCaptured(type_name='lightning_iocatch.capture.transfer.Cache')
+        NotCaptured(type_name='lightning_iocatch.capture.snapshots.Cache')
     """
 
     type_name: str

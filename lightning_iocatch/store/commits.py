@@ -1,13 +1,13 @@
-"""The ledger of a feature store: one checksummed record per committed shard, appended.
+"""The commit points: what a ledger's bytes and a commit record's bytes mean.
 
-Each rank appends to its own ``ledger-r{rank:03d}.jsonl`` one JSON line per shard, once the
-shard is complete under its final name: the line is the store's commit point on disk (a
-store copied to object storage keeps its ledgers). A shard without one does not exist.
-This module is what a ledger's bytes mean (:func:`scan_ledger`), and what a commit record's
-bytes mean (:func:`read_commit_record`: the record of one shard in an object of its own,
-the commit point on object storage); the backends read, append and repair them.
+A shard counts once its record is committed, in one of two ways: a line appended to its
+rank's ledger ``ledger-r{rank:03d}.jsonl`` (on disk: :func:`scan_ledger`), or a commit
+record object of its own, ``commits/r{rank:03d}-{seq:06d}.json`` (on object storage:
+:func:`read_commit_record`). Both are read wherever a store lives (a store copied between
+disk and object storage keeps its own); the backends read, append and repair them, and
+every committed record reaches the rest of the store as a :class:`LedgerEntry`.
 
-Rules every reader and writer of the ledger follows (all enforced here):
+Rules every reader and writer of a ledger follows (all enforced here):
 
 - **Records.** Each line is a shard's record, checked as :mod:`lightning_iocatch.store.records`
   says (its ``record_crc32``, and from format ``/3`` on its batches' index summaries).

@@ -143,11 +143,11 @@ def _inspect(args: argparse.Namespace) -> int:
         storage_options=args.storage_options,
     )  # with --verify, every checksum is checked before a shard is read or a line printed
     meta = store.metadata
-    on_disk, where = sum(store.path.names().values()), store.path.place
+    on_disk, where = sum(store.backend.names().values()), store.backend.place
     print(f"store      {args.path}")
     print(f"spec       {meta.get('spec')}  (stage {meta.get('stage')}, dtype {meta.get('dtype')})")
     tokens = meta.get("tokens")
-    samples = int(store.samples.numel())
+    samples = store.sample_count
     kind = f"token rows of {samples} samples" if tokens else "rows"
     print(f"rows       {len(store)} {kind}  ranks {meta['ranks']}  shards {len(meta['shards'])}")
     if tokens:
@@ -157,21 +157,21 @@ def _inspect(args: argparse.Namespace) -> int:
     if len(meta["dataloaders"]) > 1:
         print(f"dataloader {args.dataloader_idx} of {meta['dataloaders']}")
     if args.verify:
-        print(f"checksums  every {store.path.commit_point} and every shard match their CRC-32")
+        print(f"checksums  every {store.backend.commit_point} and every shard match their CRC-32")
     print(f"\n{'key':<56} {'dtype':<10} {'row shape':<16} {'rows':>8}")
     for key, info in meta["keys"].items():
         shape = "varies" if info["shape"] is None else str(tuple(info["shape"]))
         if key in meta["per_batch"]:
             shape, rows = f"per batch {shape}", f"{meta['per_batch'][key]} batches"
         else:
-            count = int(store.indices_of(key).numel())
+            count = store.row_count(key)
             rows = str(count) if count == len(store) else f"{count} of {len(store)}"
         print(f"{key:<56} {info['dtype']:<10} {shape:<16} {rows:>8}")
     for key, reason in meta["skipped"].items():
         print(f"{key:<56} skipped: {reason}")
     problems = []
     duplicated = store.duplicated_indices()
-    gaps = store.missing_ranges(args.expected)
+    gaps = store.missing_ranges(args.expected)  # one per gap, however long
     if duplicated:
         problems.append(
             f"{len(duplicated)} dataset indices duplicated, e.g. {duplicated[:5]} (read once, "

@@ -133,7 +133,8 @@ class FeatureWriter(CaptureSink):
                 f"`stage` must be 'predict' (FeatureWriter dumps the predict loop, which runs "
                 f"once over the data; {STAGES} are the loops), got {stage!r}"
             )
-        self.path = open_backend(path, storage_options)
+        self.backend = open_backend(path, storage_options)
+        self.path = self.backend.path  # a local directory, or an ObjectLocation
         self.mode = mode
         self.max_shard_bytes = check_int("max_shard_bytes", max_shard_bytes, minimum=1)
         self.dtype = parse_dtype("dtype", dtype)
@@ -200,7 +201,7 @@ class FeatureWriter(CaptureSink):
             if reason is not None:
                 raise StoreError(f"FeatureWriter stores rows by dataset index, but {reason}")
             self._core = ShardWriter(
-                self.path,
+                self.backend,
                 rank=trainer.global_rank,
                 plan=self._plan(trainer),
                 max_shard_bytes=self.max_shard_bytes,
@@ -260,7 +261,7 @@ class FeatureWriter(CaptureSink):
                 "world_size": trainer.world_size,
             }
             try:
-                outcome = prepare_store(self.path, self.mode, settings)
+                outcome = prepare_store(self.backend, self.mode, settings)
             except Exception as error:  # raised below, on every rank
                 local, outcome = error, str(error) or type(error).__name__
         outcome = trainer.strategy.broadcast(outcome, src=0)
@@ -269,7 +270,7 @@ class FeatureWriter(CaptureSink):
         if not isinstance(outcome, StorePlan):
             raise StoreError(str(outcome))
         try:
-            sees = self.path.read_info() == outcome.store_json
+            sees = self.backend.read_info() == outcome.store_json
         except (StoreError, OSError):
             sees = False
         if not trainer.strategy.reduce_boolean_decision(sees, all=True):

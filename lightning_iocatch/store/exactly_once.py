@@ -26,15 +26,18 @@ The rules a :class:`~lightning_iocatch.store.writer.ShardWriter` applies through
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
+from lightning_iocatch.store.index_set import IndexSet
 from lightning_iocatch.store.names import INDEX_KEY, POSITION_KEY, RESERVED_KEYS, TOKEN_ID_KEY
-from lightning_iocatch.store.plan import IndexSet, StorePlan
+from lightning_iocatch.store.plan import StorePlan
 from lightning_iocatch.store.records import BatchRecord
 from lightning_iocatch.store.shard_file import STORABLE_DTYPES, dtype_name
 from lightning_iocatch.store.tokens import TokenSelection
@@ -42,6 +45,7 @@ from lightning_iocatch.store.tokens import TokenSelection
 __all__ = ["RowSelector", "SelectedBatch"]
 
 _ROWS, _BATCH = "rows", "batch"
+_LARGEST = 2**63 - 1  # dataset indices are stored as int64
 
 
 @dataclass
@@ -66,13 +70,17 @@ class RowSelector:
 
     def __init__(self, plan: StorePlan, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
-        self._seen = {dataloader: IndexSet(bits) for dataloader, bits in plan.committed.items()}
+        self._seen = {loader: copy.deepcopy(seen) for loader, seen in plan.committed.items()}
         self._kinds = {key: _ROWS for key in plan.row_keys} | {k: _BATCH for k in plan.batch_keys}
 
     def has(self, dataloader_idx: int, indices: Sequence[int]) -> bool:
         """True when every one of ``indices`` is committed or already written in this run."""
         seen = self._seen.get(dataloader_idx)
-        return seen is not None and all(index in seen for index in indices)
+        try:
+            values = _as_array(indices)
+        except (TypeError, OverflowError):  # not indices: select() names the problem
+            return False
+        return seen is not None and bool(seen.contains(values).all())
 
     def select(
         self,
@@ -128,9 +136,7 @@ class RowSelector:
         keep = self._new_rows(dataloader_idx, batch_idx, indices, repeated)
         if not keep:
             return None
-        seen = self._seen.setdefault(dataloader_idx, IndexSet())
-        for index in keep.values():
-            seen.add(index)
+        self._seen.setdefault(dataloader_idx, IndexSet()).add(list(keep.values()))
         sample = torch.arange(samples) if tokens is None else tokens.sample
         kept = torch.zeros(samples, dtype=torch.bool)
         kept[list(keep)] = True
@@ -215,26 +221,34 @@ class RowSelector:
         repeated: Sequence[bool] | None,
     ) -> dict[int, int]:
         """The rows to write (new indices, first occurrence, not padding): position -> index."""
-        seen = self._seen.get(dataloader_idx, IndexSet())
-        keep: dict[int, int] = {}
-        fresh: set[int] = set()
-        for position, value in enumerate(indices):
+        checked = []
+        for value in indices:
             try:
                 index = operator.index(value)
             except TypeError:
                 index = -1
-            if index < 0 or isinstance(value, bool):
+            if not 0 <= index <= _LARGEST or isinstance(value, bool):
                 raise StoreError(
-                    f"FeatureWriter needs a non-negative integer dataset index for every "
-                    f"sample, but batch {batch_idx} of dataloader {dataloader_idx} has "
+                    f"FeatureWriter needs a non-negative integer dataset index (below 2**63) "
+                    f"for every sample, but batch {batch_idx} of dataloader {dataloader_idx} has "
                     f"{value!r}; use a sampler that yields dataset positions"
                 )
+            checked.append(index)
+        seen = self._seen.get(dataloader_idx)
+        stored = seen.contains(_as_array(checked)).tolist() if seen else [False] * len(checked)
+        keep: dict[int, int] = {}
+        fresh: set[int] = set()
+        for position, (index, known) in enumerate(zip(checked, stored, strict=True)):
             padding = repeated is not None and position < len(repeated) and repeated[position]
-            if index in seen or index in fresh or padding:
+            if known or index in fresh or padding:
                 continue
             keep[position] = index
             fresh.add(index)
         return keep
+
+
+def _as_array(indices: Sequence[int]) -> np.ndarray:
+    return np.fromiter((operator.index(i) for i in indices), dtype=np.int64, count=len(indices))
 
 
 def _coordinates(tokens: TokenSelection) -> dict[str, torch.Tensor]:

@@ -132,13 +132,13 @@ def export_dataset(
         storage_options=storage_options,
         on_duplicate=on_duplicate,
     )
-    if store.path.contains(out):
+    if store.backend.contains(out):
         raise ExportError(f"`out_dir` {str(out)!r} is inside the store; choose another directory")
     meta = store.metadata  # computed once: it walks every stored batch
     if layout == "columns":
-        columns = plain_columns(meta, store.path, keys)
+        columns = plain_columns(meta, store.backend, keys)
     else:
-        columns = saelens_columns(meta, store.path, keys, hook_name, token_ids_key)
+        columns = saelens_columns(meta, store.backend, keys, hook_name, token_ids_key)
     _check_same_rows(store, columns)
     _write(store, columns, out, batch_rows)
     return out

@@ -45,12 +45,13 @@ def progression(indices: np.ndarray) -> tuple[int, int, int] | None:
 
 
 class _Intervals:
-    """Sorted, disjoint, non-adjacent closed intervals ``[first, last]`` of integers
-    (``starts`` and ``stops`` hold the firsts and lasts)."""
+    """Closed intervals ``[first, last]`` of integers, kept as a few levels of sorted,
+    disjoint, non-adjacent intervals, each level less than half the size of the one before
+    it (a log-structured merge): adding ``k`` intervals costs ``O(k log n)`` over time, not a
+    merge of all ``n``, and a query asks each of the ``O(log n)`` levels."""
 
     def __init__(self) -> None:
-        self.starts = np.empty(0, dtype=np.int64)
-        self.stops = np.empty(0, dtype=np.int64)
+        self._levels: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending: list[tuple[int, int]] = []
 
     def add(self, first: int, last: int) -> None:
@@ -59,51 +60,85 @@ class _Intervals:
         else:
             self._pending.append((first, last))
         if len(self._pending) >= _PENDING:
-            self.merge()
+            self._flush()
 
     def add_many(self, starts: np.ndarray, stops: np.ndarray) -> None:
-        self.merge()
-        self._merge_arrays(starts, stops)
+        self._flush()
+        self._push(starts, stops)
 
-    def merge(self) -> None:
+    def _flush(self) -> None:
         if self._pending:
             pending = np.array(self._pending, dtype=np.int64).reshape(-1, 2)
             self._pending = []
-            self._merge_arrays(pending[:, 0], pending[:, 1])
+            self._push(pending[:, 0], pending[:, 1])
 
-    def _merge_arrays(self, starts: np.ndarray, stops: np.ndarray) -> None:
-        starts = np.concatenate([self.starts, starts])
-        stops = np.concatenate([self.stops, stops])
-        order = np.argsort(starts, kind="stable")
-        starts, stops = starts[order], stops[order]
-        reach = np.maximum.accumulate(stops)
-        new = np.ones(starts.size, dtype=bool)
-        new[1:] = starts[1:] - 1 > reach[:-1]  # a gap before it: a new interval starts here
-        firsts = np.flatnonzero(new)
-        self.starts = starts[firsts]
-        self.stops = reach[np.append(firsts[1:] - 1, starts.size - 1)] if starts.size else reach
+    def _push(self, starts: np.ndarray, stops: np.ndarray) -> None:
+        level = _normalize(starts, stops)
+        while self._levels and self._levels[-1][0].size <= 2 * level[0].size:
+            before = self._levels.pop()
+            level = _normalize(np.concatenate([before[0], level[0]]),
+                               np.concatenate([before[1], level[1]]))  # fmt: skip
+        self._levels.append(level)
+
+    def merged(self) -> tuple[np.ndarray, np.ndarray]:
+        """All intervals as one sorted, disjoint, non-adjacent level."""
+        self._flush()
+        if len(self._levels) > 1:
+            starts = np.concatenate([level[0] for level in self._levels])
+            stops = np.concatenate([level[1] for level in self._levels])
+            self._levels = [_normalize(starts, stops)]
+        if not self._levels:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return self._levels[0]
 
     def contains(self, values: np.ndarray) -> np.ndarray:
-        self.merge()
-        at = np.searchsorted(self.starts, values, side="right") - 1
-        inside = at >= 0
-        inside[inside] = values[inside] <= self.stops[at[inside]]
-        return inside
+        self._flush()
+        found = np.zeros(values.shape, dtype=bool)
+        for starts, stops in self._levels:
+            at = np.searchsorted(starts, values, side="right") - 1
+            inside = at >= 0
+            inside[inside] = values[inside] <= stops[at[inside]]
+            found |= inside
+        return found
 
     def overlap(self, first: int, last: int) -> list[tuple[int, int]]:
         """The parts of ``[first, last]`` that these intervals cover, as closed intervals."""
-        self.merge()
-        low = int(np.searchsorted(self.stops, first, side="left"))
-        high = int(np.searchsorted(self.starts, last, side="right"))
-        return [
-            (max(first, int(a)), min(last, int(b)))
-            for a, b in zip(self.starts[low:high], self.stops[low:high], strict=True)
-        ]
+        self._flush()
+        parts: list[tuple[int, int]] = []
+        for starts, stops in self._levels:
+            low = int(np.searchsorted(stops, first, side="left"))
+            high = int(np.searchsorted(starts, last, side="right"))
+            parts += [
+                (max(first, int(a)), min(last, int(b)))
+                for a, b in zip(starts[low:high], stops[low:high], strict=True)
+            ]
+        if len(self._levels) < 2:
+            return parts
+        starts, stops = _normalize(*np.array(parts, dtype=np.int64).reshape(-1, 2).T)
+        return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
     def span(self) -> tuple[int, int] | None:
         """The first and last integer covered, or ``None`` when empty."""
-        self.merge()
-        return (int(self.starts[0]), int(self.stops[-1])) if self.starts.size else None
+        self._flush()
+        if not self._levels:
+            return None
+        return min(int(a[0]) for a, _ in self._levels), max(int(b[-1]) for _, b in self._levels)
+
+    def runs(self) -> int:
+        return sum(level[0].size for level in self._levels) + len(self._pending)
+
+
+def _normalize(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Closed intervals as sorted, disjoint, non-adjacent ones covering the same integers."""
+    if not starts.size:
+        return starts.astype(np.int64), stops.astype(np.int64)
+    order = np.argsort(starts, kind="stable")
+    starts, stops = starts[order], stops[order]
+    reach = np.maximum.accumulate(stops)
+    new = np.ones(starts.size, dtype=bool)
+    new[1:] = starts[1:] - 1 > reach[:-1]  # a gap before it: a new interval starts here
+    firsts = np.flatnonzero(new)
+    return starts[firsts], reach[np.append(firsts[1:] - 1, starts.size - 1)]
 
 
 class IndexSet:
@@ -188,13 +223,11 @@ class IndexSet:
         stops: list[np.ndarray] = []
         for step in sorted({s for s, _ in self._groups}):
             residues = {r: self._groups[(s, r)] for s, r in self._groups if s == step}
-            for intervals in residues.values():
-                intervals.merge()
             full = _common(list(residues.values())) if len(residues) == step else None
             for residue, intervals in residues.items():
-                rest = (intervals.starts, intervals.stops)
+                rest = intervals.merged()
                 if full is not None and step > 1:
-                    rest = _minus(intervals.starts, intervals.stops, *full)
+                    rest = _minus(*rest, *full)
                 if step == 1:
                     starts.append(rest[0])
                     stops.append(rest[1])
@@ -208,10 +241,9 @@ class IndexSet:
             if full is not None and step > 1:  # every residue of q: the values q*s .. q*s+s-1
                 starts.append(full[0] * step)
                 stops.append(full[1] * step + (step - 1))
-        merged = _Intervals()
-        if starts:
-            merged.add_many(np.concatenate(starts), np.concatenate(stops))
-        return np.stack([merged.starts, merged.stops], axis=1)
+        if not starts:
+            return np.empty((0, 2), dtype=np.int64)
+        return np.stack(_normalize(np.concatenate(starts), np.concatenate(stops)), axis=1)
 
     def __len__(self) -> int:
         bounds = self.ranges()
@@ -221,23 +253,15 @@ class IndexSet:
         return any(intervals.span() is not None for intervals in self._groups.values())
 
     def __getstate__(self) -> dict[str, Any]:
-        for intervals in self._groups.values():
-            intervals.merge()
-        return {
-            "groups": {
-                key: (intervals.starts, intervals.stops) for key, intervals in self._groups.items()
-            }
-        }
+        return {"groups": {key: group.merged() for key, group in self._groups.items()}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._groups = {}
         for key, (starts, stops) in state["groups"].items():
-            intervals = _Intervals()
-            intervals.starts, intervals.stops = starts, stops
-            self._groups[key] = intervals
+            self._group(*key).add_many(starts, stops)
 
     def __repr__(self) -> str:
-        runs = sum(i.starts.size + len(i._pending) for i in self._groups.values())
+        runs = sum(group.runs() for group in self._groups.values())
         return f"IndexSet({len(self)} indices in {runs} runs)"
 
 
@@ -253,9 +277,9 @@ def intervals_contains(
 
 def _common(groups: list[_Intervals]) -> tuple[np.ndarray, np.ndarray]:
     """The q-intervals every one of ``groups`` covers."""
-    starts, stops = groups[0].starts, groups[0].stops
+    starts, stops = groups[0].merged()
     for other in groups[1:]:
-        starts, stops = _intersect(starts, stops, other.starts, other.stops)
+        starts, stops = _intersect(starts, stops, *other.merged())
     return starts, stops
 
 

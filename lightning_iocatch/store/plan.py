@@ -21,37 +21,19 @@ import torch
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.location import open_backend
+from lightning_iocatch.store.index_set import IndexSet
 from lightning_iocatch.store.names import (
     FORMAT,
-    INDEX_KEY,
     STORE_FILE,
     is_store_file,
     shard_rank_and_seq,
 )
+from lightning_iocatch.store.stored_batches import CommittedShard, first_commits, stored_batches
 
-__all__ = ["MODES", "IndexSet", "Mode", "StorePlan", "prepare_store"]
+__all__ = ["MODES", "Mode", "StorePlan", "prepare_store"]
 
 Mode = Literal["create", "resume", "overwrite"]
 MODES: tuple[Mode, ...] = ("create", "resume", "overwrite")
-
-_SERIALIZER_MARK = b'"format":"lightning-iocatch-store/'
-
-
-class IndexSet:
-    """Non-negative integers as a bit array: one bit per index up to the largest one."""
-
-    def __init__(self, bits: bytes = b"") -> None:
-        self.bits = bytearray(bits)
-
-    def __contains__(self, index: int) -> bool:
-        byte = index >> 3
-        return byte < len(self.bits) and bool(self.bits[byte] >> (index & 7) & 1)
-
-    def add(self, index: int) -> None:
-        byte = index >> 3
-        if byte >= len(self.bits):
-            self.bits.extend(bytes(max(byte + 1 - len(self.bits), len(self.bits))))
-        self.bits[byte] |= 1 << (index & 7)
 
 
 @dataclass(frozen=True)
@@ -60,14 +42,15 @@ class StorePlan:
 
     Attributes:
         store_json: the store's metadata as prepared; every process checks that it reads the same.
-        committed: per dataloader, the dataset indices already committed, as a bit array.
+        committed: per dataloader, the dataset indices already committed, as intervals
+            (a few of them for a dump of any size in order: what a resume broadcasts).
         next_seq: per rank, the sequence number of its next shard.
         row_keys: keys the store already holds row by row.
         batch_keys: keys the store already holds once per batch.
     """
 
     store_json: dict[str, Any]
-    committed: dict[int, bytes] = field(default_factory=dict)
+    committed: dict[int, IndexSet] = field(default_factory=dict)
     next_seq: dict[int, int] = field(default_factory=dict)
     row_keys: frozenset[str] = frozenset()
     batch_keys: frozenset[str] = frozenset()
@@ -96,8 +79,9 @@ def prepare_store(
     never committed anything left); ``"overwrite"`` deletes the store's own files there
     (nothing else); ``"resume"`` needs a store written with the same ``settings``
     (``spec``, ``stage``, ``dtype``, ``tokens``; ``world_size`` may differ), completes or
-    cuts the ledgers' last lines, deletes the debris of the interrupted run, and reads which
-    dataset indices are committed. ``settings`` go into a new ``store.json``.
+    cuts the ledgers' last lines, deletes the debris of the interrupted run, and finds which
+    dataset indices are committed (from the records' index summaries; the indices of a
+    batch are read only where its summary cannot tell). ``settings`` go into a new ``store.json``.
 
     ``path`` may be an fsspec URL (``s3://bucket/run``, with ``storage_options``): the same
     rules on a prefix of object storage (see :mod:`lightning_iocatch.store.backends`).
@@ -112,7 +96,7 @@ def prepare_store(
     if mode == "create" and names and not _never_committed(names):
         _refuse_not_empty(backend, sorted(names))
     if names:  # overwrite, or create over a start that never committed anything
-        backend.clear()
+        backend.clear(names)
     backend.write_info(_store_json(settings))
     return StorePlan(backend.read_info())
 
@@ -161,30 +145,26 @@ def _resume(backend: StoreBackend, settings: Mapping[str, Any]) -> StorePlan:
                 f"{backend} holds captures with {name} {had!r}, but this writer's {name} is "
                 f"{now!r}; resume with the same {name}, or write to another path"
             )
-    entries = backend.clean_for_resume(info["format"])
-    shards = backend.open_shards(entries)
-    committed: dict[int, IndexSet] = {}
+    committed = backend.clean_for_resume(info["format"])
+    shards = backend.open_shards(committed)
+    sources = [CommittedShard(shards[entry.record.file], entry) for entry in committed.entries]
     next_seq: dict[int, int] = {}
     row_keys: set[str] = set()
     batch_keys: set[str] = set()
-    for entry in entries:
+    for entry in committed.entries:
         record = entry.record
         rank_seq = shard_rank_and_seq(record.file)
         if rank_seq is not None:
             next_seq[rank_seq[0]] = max(next_seq.get(rank_seq[0], 0), rank_seq[1] + 1)
-        names = [f"b{position}/{INDEX_KEY}" for position in range(len(record.batches))]
-        indices = shards[record.file].read(names)
-        for position, (batch, name) in enumerate(zip(record.batches, names, strict=True)):
-            index = indices[name]
-            batch.check_indices(index, f"shard {shards[record.file]} batch {position}")
-            seen = committed.setdefault(batch.dataloader_idx, IndexSet())
-            for value in [*index.tolist(), *batch.without_rows]:
-                seen.add(value)
         batch_keys.update(record.per_batch)
         row_keys.update(key for key in record.keys if key not in record.per_batch)
+    dataloaders = {b.dataloader_idx for entry in committed.entries for b in entry.record.batches}
     return StorePlan(
         store_json=info,
-        committed={dataloader: bytes(seen.bits) for dataloader, seen in committed.items()},
+        committed={
+            dataloader: first_commits(stored_batches(sources, dataloader), token_rows=True)[1]
+            for dataloader in sorted(dataloaders)
+        },
         next_seq=next_seq,
         row_keys=frozenset(row_keys - batch_keys),
         batch_keys=frozenset(batch_keys),

@@ -1,9 +1,11 @@
 """FeatureStore: read what FeatureWriter wrote, rows in dataset-index order, ranks merged.
 
-Opening a store reads its JSON metadata, its ledgers and each shard's header (checked
-against its ledger record); tensors are memory-mapped from the safetensors shards when
-asked for. Nothing is unpickled and no code from the files runs, and only the store's own
-files inside its directory are read (see :mod:`lightning_iocatch.store.names`).
+Opening a store reads its JSON metadata and its commit records, nothing of its shards
+(format ``/3``; see :mod:`~lightning_iocatch.store.stored_batches`): its memory grows with
+the batches, not the rows. A shard's header is checked against its record before its
+first tensor is read; tensors are memory-mapped from the safetensors shards (or read with
+ranged requests) when asked for. Nothing is unpickled and no code from the files runs, and
+only the store's own files inside its place are read (see :mod:`lightning_iocatch.store.names`).
 """
 
 from __future__ import annotations
@@ -13,14 +15,21 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.location import open_backend
-from lightning_iocatch.store.commits import LedgerEntry
+from lightning_iocatch.store.index_set import IndexSet
 from lightning_iocatch.store.names import INDEX_KEY
-from lightning_iocatch.store.stored_batches import StoredBatch, check_header, read_first_commits
+from lightning_iocatch.store.stored_batches import (
+    CommittedShard,
+    StoredBatch,
+    first_commits,
+    holds_any,
+    stored_batches,
+)
 from lightning_iocatch.suggest import close_names
 
 __all__ = ["FeatureStore"]
@@ -96,12 +105,14 @@ class FeatureStore:
             raise ValueError(f"`on_duplicate` must be one of {_ON_DUPLICATE}, got {on_duplicate!r}")
         if not isinstance(verify, bool):
             raise TypeError(f"`verify` must be True or False, got {verify!r}")
-        self.path = backend  # str(store.path): the location as given
+        self.backend = backend
+        self.path = backend.path  # a local directory, or an ObjectLocation
         self.dataloader_idx = dataloader_idx
         self._info = backend.read_info()
-        entries = backend.committed(self._info["format"])
-        self._shards = backend.open_shards(entries)
-        self._records = [entry.record for entry in entries]
+        committed = backend.committed(self._info["format"])
+        shards = backend.open_shards(committed)
+        self._records = [entry.record for entry in committed.entries]
+        self._sources = [CommittedShard(shards[e.record.file], e) for e in committed.entries]
         if verify:
             self.verify()
         present = sorted({b.dataloader_idx for record in self._records for b in record.batches})
@@ -111,82 +122,38 @@ class FeatureStore:
                 f"dataloader_idx {present}"
             )
         self._dataloaders = present
-        self._batches = [
-            batch
-            for entry in entries
-            if any(b.dataloader_idx == dataloader_idx for b in entry.record.batches)
-            for batch in self._read_batches(entry)
-        ]
-        self._duplicated = self._find_duplicates(on_duplicate)
-        kept = [batch.kept_indices for batch in self._batches]
-        self._row_indices = torch.cat(kept) if kept else torch.empty(0, dtype=torch.int64)
-        without = [batch.without_rows for batch in self._batches]
-        self._samples = torch.cat([self._row_indices, *without]).unique()
-        self._order = torch.argsort(self._row_indices, stable=True)
-        self._dtypes = self._key_dtypes()
-
-    # Opening: every check before any tensor is read
-
-    def _read_batches(self, entry: LedgerEntry) -> list[StoredBatch]:
-        """This dataloader's batches of one shard, its header checked against the record."""
-        record, shard = entry.record, self._shards[entry.record.file]
-        mine = [p for p, b in enumerate(record.batches) if b.dataloader_idx == self.dataloader_idx]
-        stored = check_header(shard.header(), entry, shard)
-        indices = shard.read([f"b{position}/{INDEX_KEY}" for position in mine])
-        batches = []
-        for position, index in zip(mine, indices.values(), strict=True):
-            record.batches[position].check_indices(index, f"shard {shard} batch {position}")
-            batches.append(
-                StoredBatch(
-                    shard=shard,
-                    position=position,
-                    shapes=stored[position],
-                    dtypes={key: record.keys[key] for key in stored[position]},
-                    per_batch=frozenset(record.per_batch) & set(stored[position]),
-                    indices=index,
-                    keep=None,
-                    without_rows=torch.tensor(
-                        record.batches[position].without_rows, dtype=torch.int64
-                    ),
-                )
-            )
-        return batches
-
-    def _find_duplicates(self, on_duplicate: OnDuplicate) -> list[int]:
         tokens = self._info.get("tokens") or {}
+        stored = stored_batches(self._sources, dataloader_idx)
         token_rows = bool(tokens) and tokens.get("reduce") is None
-        batches, duplicated = read_first_commits(self._batches, token_rows=token_rows)
-        if duplicated.numel() and on_duplicate == "error":
-            shards = sorted(
-                {
-                    b.shard.name
-                    for b in self._batches
-                    if bool(torch.isin(b.indices, duplicated).any())
-                }
-            )
-            raise StoreError(
-                f"{self.path} holds {duplicated.numel()} dataset indices more than once, e.g. "
-                f"{duplicated[:10].tolist()} (in {', '.join(shards[:4])}"
-                f"{', ...' if len(shards) > 4 else ''}); open it with "
-                "FeatureStore(..., on_duplicate='first') to read each index from its first "
-                "commit (StoreRows and export_dataset take it too; `lightning-iocatch export "
-                "--on-duplicate first`), or `lightning-iocatch inspect` it"
-            )
-        self._batches = batches
-        return [int(value) for value in duplicated.tolist()]
-
-    def _key_dtypes(self) -> dict[str, set[str]]:
-        dtypes: dict[str, set[str]] = {}
+        self._batches, self._samples, duplicated = first_commits(stored, token_rows=token_rows)
+        if duplicated.size and on_duplicate == "error":
+            self._refuse_duplicates(stored, duplicated)
+        self._duplicated = duplicated
+        self._rows = sum(batch.kept_rows for batch in self._batches)
+        self._dtypes: dict[str, set[str]] = {}
         for batch in self._batches:
-            for key, dtype in batch.dtypes.items():
-                dtypes.setdefault(key, set()).add(dtype)
-        return dtypes
+            for key in batch.keys:
+                self._dtypes.setdefault(key, set()).add(batch.dtype(key))
+        self._sorted_indices: torch.Tensor | None = None
+
+    def _refuse_duplicates(self, batches: list[StoredBatch], duplicated: np.ndarray) -> None:
+        twice = IndexSet()
+        twice.add(duplicated)
+        shards = sorted({batch.source.name for batch in batches if holds_any(batch, twice)})
+        raise StoreError(
+            f"{self.path} holds {duplicated.size} dataset indices more than once, e.g. "
+            f"{duplicated[:10].tolist()} (in {', '.join(shards[:4])}"
+            f"{', ...' if len(shards) > 4 else ''}); open it with "
+            "FeatureStore(..., on_duplicate='first') to read each index from its first "
+            "commit (StoreRows and export_dataset take it too; `lightning-iocatch export "
+            "--on-duplicate first`), or `lightning-iocatch inspect` it"
+        )
 
     # What is stored
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """``store.json`` plus what the ledgers and shards say.
+        """``store.json`` plus what the commit records say (no shard is read).
 
         ``keys``: each key's ``dtype`` and ``shape``: that of one row (for a key stored
         once per batch, of the whole tensor), ``None`` where batches differ.
@@ -217,12 +184,9 @@ class FeatureStore:
         }
 
     def _shape(self, key: str) -> list[int] | None:
-        shapes = {
-            b.shapes[key] if key in b.per_batch else b.shapes[key][1:]
-            for b in self._batches
-            if key in b.shapes
-        }
-        return list(next(iter(shapes))) if len(shapes) == 1 else None
+        shapes = {batch.shape(key) for batch in self._holders(key)}
+        shape = next(iter(shapes)) if len(shapes) == 1 else None
+        return None if shape is None else list(shape)
 
     def keys(self) -> list[str]:
         """The flat keys of the captured tensors, sorted (also those of only some batches)."""
@@ -236,11 +200,20 @@ class FeatureStore:
 
     @property
     def indices(self) -> torch.Tensor:
-        """The dataset index of each row of ``store[key]``, ascending."""
-        return self._row_indices[self._order]
+        """The dataset index of each row of ``store[key]``, ascending (read at first use)."""
+        if self._sorted_indices is None:
+            parts = [batch.kept_indices() for batch in self._batches]
+            every = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+            self._sorted_indices = every.sort(stable=True).values
+        return self._sorted_indices
 
     def __len__(self) -> int:
-        return int(self._row_indices.numel())
+        return self._rows
+
+    def row_count(self, key: str) -> int:
+        """The number of rows that hold ``key`` (of batches, for a key stored once per batch)."""
+        self._check_key(key)
+        return sum(batch.kept_rows for batch in self._holders(key))
 
     def stored_batches(self) -> list[StoredBatch]:
         """This dataloader's stored batches in commit order (rank, shard sequence number,
@@ -252,24 +225,31 @@ class FeatureStore:
 
         Only a store opened with ``on_duplicate="first"`` can have any: each is read once.
         """
-        return list(self._duplicated)
+        return self._duplicated.tolist()
 
-    def missing_ranges(self, expected: int | None = None) -> list[tuple[int, int]]:
+    def missing_ranges(
+        self, expected: int | None = None, *, limit: int | None = None
+    ) -> list[tuple[int, int]]:
         """The indices absent from ``range(expected)`` (default: up to the largest index
         present), as ascending half-open ranges ``(start, stop)``: one per gap, whatever its
-        length (a sparse or damaged index costs one range, not one flag per index).
+        length (a sparse or damaged index costs one range, not one flag per index); the
+        first ``limit`` of them where given.
 
         Example: a store of indices 0..4 and 8 has ``missing_ranges(10) == [(5, 8), (9, 10)]``.
         """
         if expected is not None and (type(expected) is not int or expected < 0):
             raise ValueError(f"`expected` must be a non-negative int or None, got {expected!r}")
-        samples = self._samples
-        stop = expected
-        if stop is None:
-            stop = int(samples[-1]) + 1 if samples.numel() else 0
-        ends = torch.cat([torch.tensor([-1]), samples[samples < stop], torch.tensor([stop])])
-        gaps = (ends.diff() > 1).nonzero().flatten().tolist()
-        return [(int(ends[i]) + 1, int(ends[i + 1])) for i in gaps]
+        present = self._samples.ranges()  # closed [first, last], ascending, not adjacent
+        firsts, lasts = present[:, 0].tolist(), present[:, 1].tolist()
+        stop = expected if expected is not None else lasts[-1] + 1 if lasts else 0
+        starts = [0, *(last + 1 for last in lasts)]  # a gap starts after each run
+        ends = [*firsts, stop]
+        gaps = [(a, min(b, stop)) for a, b in zip(starts, ends, strict=True) if a < min(b, stop)]
+        return gaps if limit is None else gaps[:limit]
+
+    def missing_count(self, expected: int | None = None) -> int:
+        """How many indices :meth:`missing_ranges` holds."""
+        return sum(stop - start for start, stop in self.missing_ranges(expected))
 
     def missing_indices(self, expected: int | None = None) -> list[int]:
         """Indices absent from ``range(expected)`` (default: up to the largest index present),
@@ -284,10 +264,19 @@ class FeatureStore:
         return [index for start, stop in ranges for index in range(start, stop)]
 
     @property
+    def sample_count(self) -> int:
+        """The number of stored samples (also those of token rows that have no row)."""
+        return len(self._samples)
+
+    @property
     def samples(self) -> torch.Tensor:
         """The dataset indices of every stored sample, ascending, each once (also those of
-        token rows that have no row: no selected token)."""
-        return self._samples
+        token rows that have no row: no selected token). Made on each call, one int64 per
+        sample: :attr:`sample_count` and :meth:`missing_ranges` need no such array."""
+        runs = self._samples.ranges()
+        if not len(runs):
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cat([torch.arange(a, b + 1) for a, b in runs.tolist()])
 
     # Reading
 
@@ -300,24 +289,29 @@ class FeatureStore:
             raise KeyError(f"no key {key!r} in {self.path}{hint or '.'} Keys: {self.keys()}")
 
     def _holders(self, key: str) -> list[StoredBatch]:
-        return [batch for batch in self._batches if key in batch.shapes]
+        return [batch for batch in self._batches if key in batch.keys]
 
-    def _stored(self, key: str) -> Iterator[tuple[StoredBatch, torch.Tensor]]:
-        """``key`` of every batch holding it, in commit order, opening each shard once."""
-        for shard, group in itertools.groupby(self._holders(key), key=lambda b: b.shard):
+    def _stored(self, key: str) -> Iterator[tuple[StoredBatch, torch.Tensor, torch.Tensor]]:
+        """``(batch, indices, tensor)`` of every batch holding ``key``, in commit order:
+        the dataset indices of the rows it reads, and ``key`` whole; each shard opened once."""
+        for source, group in itertools.groupby(self._holders(key), key=lambda b: b.source):
             batches = list(group)
-            names = [f"b{b.position}/{key}" for b in batches]
-            tensors = shard.read(names)
-            parts = [(b, tensors[name]) for b, name in zip(batches, names, strict=True)]
-            for batch, tensor in parts:
-                if tuple(tensor.shape) != batch.shapes[key]:  # the file changed since opening
-                    raise StoreError(f"shard {shard} changed while it was read")
-            yield from parts
+            names = [f"b{b.position}/{name}" for b in batches for name in (INDEX_KEY, key)]
+            tensors = source.read(names)
+            for batch in batches:
+                index = tensors[f"b{batch.position}/{INDEX_KEY}"]
+                tensor = tensors[f"b{batch.position}/{key}"]
+                batch.check_index(index)
+                rows = key in batch.per_batch or (tensor.dim() and len(tensor) == batch.rows)
+                if not rows:  # the header was checked: the file changed since
+                    raise StoreError(f"shard {source} changed while it was read")
+                yield batch, batch.kept(index), tensor
 
     def indices_of(self, key: str) -> torch.Tensor:
-        """The ascending dataset indices of the rows that hold ``key`` (no tensor is read)."""
+        """The ascending dataset indices of the rows that hold ``key`` (reads their
+        ``__index__`` tensors, nothing else)."""
         self._check_key(key)
-        parts = [batch.kept_indices for batch in self._holders(key)]
+        parts = [batch.kept_indices() for batch in self._holders(key)]
         return torch.cat(parts).sort().values if parts else torch.empty(0, dtype=torch.int64)
 
     def batches(self, key: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -328,8 +322,7 @@ class FeatureStore:
         and ``dataset_indices`` its samples, each once (also in a store of token rows).
         """
         self._check_key(key)
-        for batch, tensor in self._stored(key):
-            indices = batch.kept_indices
+        for batch, indices, tensor in self._stored(key):
             if not indices.numel():
                 continue
             if key in batch.per_batch:  # the batch's samples, once each (also for token rows)
@@ -344,11 +337,10 @@ class FeatureStore:
                 f"{key!r} is stored once per batch, without a row per sample; read it with "
                 f"store.batches({key!r}), which yields (indices, tensor) per batch"
             )
-        trailing = sorted({batch.shapes[key][1:] for batch in holders})
-        if len(trailing) > 1:
+        if self._shape(key) is None:
             raise StoreError(
-                f"{key!r} has rows of different shapes across batches ({trailing[:3]}...); "
-                f"read it per batch with store.batches({key!r})"
+                f"{key!r} has rows of different shapes across batches; read it per batch "
+                f"with store.batches({key!r})"
             )
         if len(self._dtypes[key]) > 1:
             raise StoreError(
@@ -366,8 +358,8 @@ class FeatureStore:
         self._check_key(key)
         self._refuse_unless_rows(key)
         indices, parts = [], []
-        for batch, tensor in self._stored(key):
-            indices.append(batch.kept_indices)
+        for batch, kept, tensor in self._stored(key):
+            indices.append(kept)
             parts.append(batch.kept(tensor))
         every = torch.cat(indices)
         order = torch.argsort(every, stable=True)
@@ -382,7 +374,7 @@ class FeatureStore:
         """
         self._check_key(key)
         self._refuse_unless_rows(key)
-        present = sum(int(batch.kept_indices.numel()) for batch in self._holders(key))
+        present = self.row_count(key)
         if present != len(self):
             raise StoreError(
                 f"{key!r} is stored for {present} of the {len(self)} rows (it was captured in "
@@ -392,11 +384,12 @@ class FeatureStore:
         return self.rows(key)[1]
 
     def verify(self) -> None:
-        """Check every shard's CRC-32 against its ledger record (reads every byte)."""
-        for record in self._records:
-            shard = self._shards[record.file]
-            if shard.crc32() != record.crc32:
-                raise StoreError(f"shard {shard} does not match its checksum: it is corrupted")
+        """Check every shard's CRC-32 against its record, and every batch's ``__index__``
+        against its summary (reads every byte)."""
+        for source in self._sources:
+            if source.shard.crc32() != source.record.crc32:
+                raise StoreError(f"shard {source} does not match its checksum: it is corrupted")
+            source.indices(range(len(source.record.batches)))
 
     def __repr__(self) -> str:
         return f"FeatureStore({str(self.path)!r}, rows={len(self)}, keys={len(self._dtypes)})"

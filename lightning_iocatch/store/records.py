@@ -43,28 +43,32 @@ def format_version(store_format: str) -> int:
 
 @dataclass(frozen=True)
 class IndexSummary:
-    """What a batch record says of the batch's ``__index__`` tensor (format ``/3``).
+    """What a batch record says of the batch's ``__index__`` tensor (format ``/3``): enough
+    to plan reads, resumes and checks without reading the indices.
 
-    ``first``/``last``: the indices of its first and last row (``None`` without rows);
-    ``samples``: the number of distinct indices; ``step``: when the indices, runs of one
-    index counted once, are ``first, first + step, ..., last`` (``step >= 1``; ``1`` for one
-    sample), else ``0``; ``crc32``: the CRC-32 of the tensor's bytes (int64, little-endian).
+    ``first``/``last``: the indices of its first and last row; ``low``/``high``: the
+    smallest and largest (all four ``None`` without rows); ``samples``: the number of
+    distinct indices; ``step``: when the indices, runs of one index counted once, are
+    ``first, first + step, ..., last`` (``step >= 1``; ``1`` for one sample), else ``0``;
+    ``crc32``: the CRC-32 of the tensor's bytes (int64, little-endian).
 
     Example:
         >>> IndexSummary.of(torch.tensor([4, 4, 6, 8, 8]))
-        IndexSummary(first=4, last=8, samples=3, step=2, crc32=...)
+        IndexSummary(first=4, last=8, low=4, high=8, samples=3, step=2, crc32=...)
     """
 
     first: int | None
     last: int | None
+    low: int | None
+    high: int | None
     samples: int
     step: int
     crc32: int
 
     def __repr__(self) -> str:  # the checksum is noise to a reader
         return (
-            f"IndexSummary(first={self.first}, last={self.last}, samples={self.samples}, "
-            f"step={self.step}, crc32=...)"
+            f"IndexSummary(first={self.first}, last={self.last}, low={self.low}, "
+            f"high={self.high}, samples={self.samples}, step={self.step}, crc32=...)"
         )
 
     @classmethod
@@ -72,13 +76,22 @@ class IndexSummary:
         """The summary of a batch's ``__index__`` tensor (int64, one entry per row)."""
         crc = _tensor_crc32(index)
         if not index.numel():
-            return cls(None, None, 0, 0, crc)
+            return cls(None, None, None, None, 0, 0, crc)
         runs = torch.unique_consecutive(index)
         samples = int(torch.unique(runs).numel())
         step = 1 if runs.numel() == 1 else int(runs[1] - runs[0])
         if runs.numel() > 1 and (step < 1 or not bool((runs.diff() == step).all())):
             step = 0
-        return cls(int(index[0]), int(index[-1]), samples, step, crc)
+        first, last = int(index[0]), int(index[-1])
+        return cls(first, last, int(index.min()), int(index.max()), samples, step, crc)
+
+    @property
+    def progression(self) -> tuple[int, int, int] | None:
+        """``(start, step, count)`` of the distinct indices when they are a progression in
+        row order (then they need not be read to be known), else ``None``."""
+        if not self.step or self.first is None:
+            return None
+        return self.first, self.step, self.samples
 
     def check(self, index: torch.Tensor, where: str) -> None:
         """Raise a :class:`StoreError` naming ``where`` unless ``index`` is what this says."""
@@ -96,23 +109,32 @@ class IndexSummary:
         """Parse and check a batch's ``index``; ``ValueError`` says what is wrong."""
         if not isinstance(data, dict) or sorted(data) != sorted(_SUMMARY_FIELDS):
             raise ValueError(f"`index` must be {{{', '.join(_SUMMARY_FIELDS)}}}, got {data!r}")
-        first, last = data["first"], data["last"]
+        names = ("first", "last", "low", "high")
+        first = last = low = high = None
         if rows:
-            first, last = _count(first, "`index.first`"), _count(last, "`index.last`")
-        elif first is not None or last is not None:
-            raise ValueError("`index.first` and `index.last` must be null for a batch of 0 rows")
+            first, last, low, high = (_count(data[name], f"`index.{name}`") for name in names)
+            if not low <= min(first, last) <= max(first, last) <= high:
+                raise ValueError(f"`index` {first}..{last} is not within [{low}, {high}]")
+        elif any(data[name] is not None for name in names):
+            raise ValueError("`index.first`, `last`, `low` and `high` must be null without rows")
         samples = _count(data["samples"], "`index.samples`")
         step = _count(data["step"], "`index.step`")
         if samples > rows or bool(samples) != bool(rows):
             raise ValueError(f"`index.samples` {samples} does not fit a batch of {rows} rows")
-        if step and (first is None or last is None or last - first != step * (samples - 1)):
+        if step and (
+            first is None
+            or last is None
+            or (low, high) != (first, last)
+            or last - first != step * (samples - 1)
+        ):
             raise ValueError(
                 f"`index.step` {step} does not lead from {first} to {last} in {samples} samples"
             )
-        return cls(first, last, samples, step, _count(data["crc32"], "`index.crc32`", 1 << 32))
+        crc = _count(data["crc32"], "`index.crc32`", 1 << 32)
+        return cls(first, last, low, high, samples, step, crc)
 
 
-_SUMMARY_FIELDS = ("crc32", "first", "last", "samples", "step")
+_SUMMARY_FIELDS = ("crc32", "first", "high", "last", "low", "samples", "step")
 
 
 def _tensor_crc32(tensor: torch.Tensor) -> int:
@@ -126,6 +148,8 @@ class BatchRecord:
     ``without_rows``: dataset indices of samples written with no row (token rows of a
     sample without a selected token), so that they count as stored. ``index``: the
     summary of its ``__index__`` (format ``/3``; ``None`` in records of earlier formats).
+    ``keys``: the keys this batch holds where they are not all of its shard's (format
+    ``/3``; ``None``: all of them).
     """
 
     dataloader_idx: int
@@ -133,6 +157,7 @@ class BatchRecord:
     rows: int
     without_rows: tuple[int, ...] = ()
     index: IndexSummary | None = None
+    keys: tuple[str, ...] | None = None
 
     @classmethod
     def of(
@@ -187,8 +212,8 @@ class ShardRecord:
             if not data[optional]:
                 del data[optional]
         for batch in data["batches"]:
-            for optional in ("without_rows", "index"):
-                if not batch[optional]:
+            for optional in ("without_rows", "index", "keys"):
+                if batch[optional] is None or batch[optional] == ():
                     del batch[optional]
         data[RECORD_CHECKSUM] = _record_crc32(data)
         return _canonical(data)
@@ -255,6 +280,9 @@ def parse_record(data: Any, *, version: int) -> ShardRecord:
         isinstance(k, str) and k != INDEX_KEY and isinstance(v, str) for k, v in keys.items()
     ):
         raise ValueError(f"`keys` must map keys to dtype names, got {keys!r}")
+    for batch in parsed:
+        if batch.keys is not None and not set(batch.keys) <= set(keys):
+            raise ValueError(f"a batch's `keys` {list(batch.keys)} are not keys of the record")
     if not isinstance(shapes, dict) or not all(
         k in keys and (v is None or (isinstance(v, list) and all(_is_count(d) for d in v)))
         for k, v in shapes.items()
@@ -283,10 +311,10 @@ def parse_record(data: Any, *, version: int) -> ShardRecord:
 
 def _batch(batch: Any, version: int) -> BatchRecord:
     """One batch of a record; from format ``/3`` on it must carry its ``index`` summary."""
-    allowed = {*_BATCH_FIELDS, "without_rows", "index"}
+    allowed = {*_BATCH_FIELDS, "without_rows", "index", "keys"}
     fields = set(batch) if isinstance(batch, dict) else None
     if fields is None or not set(_BATCH_FIELDS) <= fields <= allowed:
-        shape = "{dataloader_idx, batch_idx, rows[, without_rows][, index]}"
+        shape = "{dataloader_idx, batch_idx, rows[, without_rows][, index][, keys]}"
         raise ValueError(f"a batch must be {shape}, got {batch!r}")
     if version >= 3 and "index" not in fields:
         raise ValueError("a batch has no `index` summary, which this store's format requires")
@@ -296,7 +324,17 @@ def _batch(batch: Any, version: int) -> BatchRecord:
     counts = {k: _count(batch[k], f"`{k}`") for k in _BATCH_FIELDS}
     samples = tuple(_count(index, "an index of `without_rows`") for index in without)
     summary = IndexSummary.from_json(batch["index"], counts["rows"]) if "index" in batch else None
-    return BatchRecord(**counts, without_rows=samples, index=summary)
+    keys = batch.get("keys")
+    if keys is not None and (
+        not isinstance(keys, list) or not all(isinstance(key, str) for key in keys)
+    ):
+        raise ValueError(f"a batch's `keys` must be a list of keys, got {keys!r}")
+    return BatchRecord(
+        **counts,
+        without_rows=samples,
+        index=summary,
+        keys=None if keys is None else tuple(keys),
+    )
 
 
 def _is_count(value: Any) -> bool:

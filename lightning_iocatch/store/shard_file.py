@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["STORABLE_DTYPES", "dtype_name", "write_all", "write_safetensors"]
+__all__ = ["READABLE_CODES", "STORABLE_DTYPES", "dtype_name", "write_all", "write_safetensors"]
 
 STORABLE_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
@@ -38,6 +38,12 @@ STORABLE_DTYPES: dict[torch.dtype, str] = {
     torch.complex64: "C64",
 }
 """The dtypes a store holds, with their safetensors names (safetensors has no complex128)."""
+
+READABLE_CODES: dict[str, torch.dtype] = {code: dtype for dtype, code in STORABLE_DTYPES.items()}
+"""Every safetensors dtype code a store's shards are read with: those written, and
+``F8_E8M0`` (read, never written), where this torch has it."""
+if hasattr(torch, "float8_e8m0fnu"):
+    READABLE_CODES["F8_E8M0"] = torch.float8_e8m0fnu
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -20,17 +20,17 @@ import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.backends.base import Shard
+from lightning_iocatch.store.names import INDEX_KEY
+from lightning_iocatch.store.stored_batches import StoredBatch
 
 __all__ = ["Block", "BlockReader", "Column", "ShuffleBuffer", "segments"]
 
 
 @dataclass(frozen=True)
 class Block:
-    """The rows read from one stored batch: ``b{position}/...`` of one shard."""
+    """The rows read from one stored batch."""
 
-    shard: Shard
-    position: int
+    batch: StoredBatch
     rows: int
     keep: torch.Tensor | None  # stored positions of the rows read; None: all, in order
 
@@ -63,6 +63,12 @@ class BlockReader:
     def __init__(self, pieces: list[tuple[Block, int, int]], stored_names: dict[str, str]) -> None:
         self._pieces = collections.deque(pieces)
         self._stored_names = stored_names  # key out -> key in the shard
+        self._index: tuple[StoredBatch, torch.Tensor] | None = None  # of the last block
+
+    def _index_of(self, batch: StoredBatch) -> torch.Tensor:
+        if self._index is None or self._index[0] is not batch:
+            self._index = (batch, batch.read_indices())
+        return self._index[1]
 
     def read(self, limit: int) -> dict[str, torch.Tensor] | None:
         """Up to ``limit`` rows, or ``None`` after the last: views of their shard, mapped only
@@ -74,16 +80,20 @@ class BlockReader:
         if stop < end:
             self._pieces.appendleft((block, stop, end))
         rows = {}
-        names = [f"b{block.position}/{name}" for name in self._stored_names.values()]
+        batch = block.batch
+        names = [f"b{batch.position}/{name}" for name in self._stored_names.values()]
         low, high, wanted = first, stop, None
         if block.keep is not None:  # rows low..high of the stored batch, then those kept
             wanted = block.keep[first:stop]
             low, high = int(wanted[0]), int(wanted[-1]) + 1
-        read = block.shard.read_rows(names, low, high)
+        index_name = f"b{batch.position}/{INDEX_KEY}"
+        read = batch.source.read_rows([n for n in names if n != index_name], low, high)
+        if index_name in names:  # the whole index, checked against its record, then rows
+            read[index_name] = self._index_of(batch)[low:high]
         for key, name in zip(self._stored_names, names, strict=True):
             rows[key] = read[name] if wanted is None else read[name][wanted - low]
         if any(part.shape[0] != stop - first for part in rows.values()):
-            raise StoreError(f"shard {block.shard} changed while it was read")
+            raise StoreError(f"shard {batch.source} changed while it was read")
         return rows
 
 

@@ -1,55 +1,261 @@
-"""The batches of a store as the reader sees them, checked against their records.
+"""The batches of a store as its readers see them: planned from the records, checked when read.
 
-Before :class:`~lightning_iocatch.FeatureStore` reads any tensor, every committed shard must
-be there with the size its record gives (the backend's ``open_shards``), and its
-safetensors header must agree with the record: batches, keys, dtypes and shapes
-(:func:`check_header`). Each batch the reader keeps is a :class:`StoredBatch`;
-:func:`read_first_commits` decides which of its rows are read when an index is stored twice.
+A store of format ``/3`` is opened from its commit records alone: each batch's record says
+its rows, its keys and a summary of its dataset indices (:class:`~.records.IndexSummary`),
+so nothing is read from a shard to open it. What is read later is checked first: a
+:class:`CommittedShard` checks its safetensors header against its record once, before
+its first tensor is read (:func:`check_header`), and every ``__index__`` read is checked
+against its batch's summary (its CRC-32). Stores of the formats ``/1`` and ``/2`` (records
+without summaries) have their headers and indices read at opening instead, as before.
+
+:func:`first_commits` decides, batch by batch in commit order, which rows are read when a
+dataset index is stored twice, keeping the indices seen as intervals
+(:class:`~.index_set.IndexSet`): a batch whose indices are a progression that none seen
+before overlaps is taken on its summary, and only the others (irregular, overlapping, or
+repeating an index within a row-per-sample batch) have their indices read.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Shard
 from lightning_iocatch.store.commits import LedgerEntry
+from lightning_iocatch.store.index_set import IndexSet
 from lightning_iocatch.store.names import INDEX_KEY
-from lightning_iocatch.store.shard_file import STORABLE_DTYPES, dtype_name
+from lightning_iocatch.store.records import BatchRecord, IndexSummary, ShardRecord
+from lightning_iocatch.store.shard_file import READABLE_CODES, dtype_name
 
-__all__ = ["StoredBatch", "check_header", "read_first_commits"]
+__all__ = [
+    "CommittedShard",
+    "StoredBatch",
+    "check_header",
+    "first_commits",
+    "holds_any",
+    "stored_batches",
+]
 
 _TENSOR_NAME = re.compile(r"b(0|[1-9][0-9]*)/(.+)", re.ASCII | re.DOTALL)
 # safetensors' dtype codes, by the names FeatureWriter records; F8_E8M0 is read, never written
-_DTYPES = {code: dtype_name(dtype) for dtype, code in STORABLE_DTYPES.items()}
-_DTYPES["F8_E8M0"] = "float8_e8m0fnu"
+_DTYPES = {code: dtype_name(dtype) for code, dtype in READABLE_CODES.items()}
 
 
-@dataclass(frozen=True)
-class StoredBatch:
-    """One stored batch of the store's dataloader, as its shard's header describes it."""
+class CommittedShard:
+    """A committed shard with its record: its header is checked against the record once,
+    before any tensor is read from it; its ``__index__`` tensors against their summaries."""
 
-    shard: Shard
-    position: int
-    shapes: dict[str, tuple[int, ...]]  # key -> stored shape (rows first, unless per batch)
-    dtypes: dict[str, str]  # key -> dtype
-    per_batch: frozenset[str]
-    indices: torch.Tensor  # int64 [rows]: the dataset index of each row
-    keep: torch.Tensor | None  # bool [rows]: rows read (None: all; see `on_duplicate`)
-    without_rows: torch.Tensor  # int64: samples of the batch stored with no row
-
-    def kept(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rows of this batch that are read (``rows`` has one per index)."""
-        return rows if self.keep is None else rows[self.keep]
+    def __init__(self, shard: Shard, entry: LedgerEntry) -> None:
+        self.shard, self.entry = shard, entry
+        self._checked = False
 
     @property
+    def record(self) -> ShardRecord:
+        return self.entry.record
+
+    @property
+    def name(self) -> str:
+        return self.shard.name
+
+    def __str__(self) -> str:
+        return str(self.shard)
+
+    def stored_keys(self) -> list[frozenset[str]]:
+        """The keys each batch holds, as the header says (checked against the record)."""
+        stored = check_header(self.shard.header(), self.entry, self.shard)
+        self._checked = True
+        return [frozenset(batch) for batch in stored]
+
+    def _check(self) -> None:
+        if not self._checked:
+            self.stored_keys()
+
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` (``b{j}/{key}``), whole."""
+        self._check()
+        return self.shard.read(names)
+
+    def read_rows(self, names: Sequence[str], first: int, stop: int) -> dict[str, torch.Tensor]:
+        """Rows ``[first, stop)`` of the tensors ``names``."""
+        self._check()
+        return self.shard.read_rows(names, first, stop)
+
+    def indices(self, positions: Sequence[int]) -> list[torch.Tensor]:
+        """The ``__index__`` of the batches at ``positions``, each checked against its record."""
+        read = self.read([f"b{position}/{INDEX_KEY}" for position in positions])
+        indices = list(read.values())
+        for position, index in zip(positions, indices, strict=True):
+            self.record.batches[position].check_indices(index, f"shard {self} batch {position}")
+        return indices
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_checked": False}  # each process checks what it reads
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBatch:
+    """One stored batch of one dataloader: what its record says, and which rows are read.
+
+    ``keep`` marks the rows read (``None``: all of them; see :func:`first_commits`);
+    ``without_rows`` are the samples it stored with no row (token rows), those counted here.
+    """
+
+    source: CommittedShard
+    position: int
+    keys: frozenset[str]
+    summary: IndexSummary
+    keep: torch.Tensor | None = None
+    without_rows: tuple[int, ...] = ()
+
+    @property
+    def record(self) -> BatchRecord:
+        return self.source.record.batches[self.position]
+
+    @property
+    def rows(self) -> int:
+        """Rows stored."""
+        return self.record.rows
+
+    @property
+    def kept_rows(self) -> int:
+        """Rows read."""
+        return self.rows if self.keep is None else int(self.keep.sum())
+
+    @property
+    def per_batch(self) -> frozenset[str]:
+        """Its keys stored once for the batch, without a row per sample."""
+        return self.keys & frozenset(self.source.record.per_batch)
+
+    def dtype(self, key: str) -> str:
+        return self.source.record.keys[key]
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        """The shape of a row of ``key`` (of the whole tensor, for a key stored once per
+        batch), where every batch of its shard has the same; else ``None``."""
+        shape = self.source.record.shapes.get(key)
+        return None if shape is None else tuple(shape)
+
+    def read_indices(self) -> torch.Tensor:
+        """The dataset index of every stored row (checked against the record)."""
+        index = self.source.read([f"b{self.position}/{INDEX_KEY}"])
+        return self.check_index(next(iter(index.values())))
+
+    def check_index(self, index: torch.Tensor) -> torch.Tensor:
+        """``index``, once it is what the record and summary say of this batch's."""
+        where = f"shard {self.source} batch {self.position}"
+        self.record.check_indices(index, where)
+        self.summary.check(index, where)
+        return index
+
+    def kept(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of this batch that are read (``rows`` has one per stored row)."""
+        return rows if self.keep is None else rows[self.keep]
+
     def kept_indices(self) -> torch.Tensor:
-        """The dataset indices of the rows that are read."""
-        return self.kept(self.indices)
+        """The dataset indices of the rows read."""
+        return self.kept(self.read_indices())
+
+
+def stored_batches(sources: Iterable[CommittedShard], dataloader_idx: int) -> list[StoredBatch]:
+    """The batches of ``dataloader_idx`` in ``sources`` (in commit order), nothing read from
+    a shard of format ``/3``; the header and indices of an older one are read and checked."""
+    batches = []
+    for source in sources:
+        record = source.record
+        mine = [p for p, b in enumerate(record.batches) if b.dataloader_idx == dataloader_idx]
+        if not mine:
+            continue
+        if any(record.batches[p].index is None for p in mine):  # formats /1 and /2
+            batches += _read_older(source, mine)
+            continue
+        every = frozenset(record.keys)
+        for position in mine:
+            batch = record.batches[position]
+            keys = every if batch.keys is None else frozenset(batch.keys)
+            assert batch.index is not None
+            batches.append(StoredBatch(source, position, keys, batch.index))
+    return batches
+
+
+def _read_older(source: CommittedShard, positions: list[int]) -> list[StoredBatch]:
+    """Batches of a shard whose record has no index summaries: its header gives each
+    batch's keys, its indices their summaries."""
+    keys = source.stored_keys()
+    indices = source.indices(positions)
+    return [
+        StoredBatch(source, position, keys[position], IndexSummary.of(index))
+        for position, index in zip(positions, indices, strict=True)
+    ]
+
+
+def first_commits(
+    batches: Sequence[StoredBatch], *, token_rows: bool
+) -> tuple[list[StoredBatch], IndexSet, np.ndarray]:
+    """``batches`` (in commit order) set to read each dataset index from its first commit
+    only, every index stored (as intervals), and the indices stored more than once
+    (ascending; none in a sound store).
+
+    A row per sample: an index in more than one row is duplicated, and its first row is
+    read. Token rows (``token_rows``): a sample's rows are stored together, so an index in
+    more than one batch is duplicated, and every row of it in its first batch is read.
+    Indices are read only for batches that cannot be decided from their summaries.
+    """
+    seen = IndexSet()
+    duplicated: list[np.ndarray] = []
+    read: list[StoredBatch] = []
+    for batch in batches:
+        without = np.asarray(batch.record.without_rows, dtype=np.int64)
+        earlier = seen.contains(without) if without.size else np.zeros(0, dtype=bool)
+        progression = batch.summary.progression
+        unique_rows = token_rows or batch.summary.samples == batch.rows
+        keep = None
+        if not batch.rows:
+            pass
+        elif progression is None or not unique_rows or seen.overlap(*progression).size:
+            index = batch.read_indices().numpy()
+            if token_rows:  # every row of a sample not seen before
+                fresh = ~seen.contains(index)
+                duplicated.append(np.unique(index[~fresh]))
+            else:  # the first row of an index not seen before
+                fresh = np.zeros(index.size, dtype=bool)
+                fresh[np.unique(index, return_index=True)[1]] = True
+                fresh &= ~seen.contains(index)
+                duplicated.append(index[~fresh])
+            keep = None if fresh.all() else torch.from_numpy(fresh)
+            seen.add(index)
+        else:
+            seen.add_progression(*progression)
+        if without.size:
+            duplicated.append(without[earlier])
+            seen.add(without)
+        kept = tuple(int(i) for i in without[~earlier])
+        if keep is None and kept == batch.without_rows:
+            read.append(batch)
+        else:
+            read.append(
+                StoredBatch(batch.source, batch.position, batch.keys, batch.summary, keep, kept)
+            )
+    found = np.unique(np.concatenate(duplicated)) if duplicated else np.empty(0, np.int64)
+    return read, seen, found
+
+
+def holds_any(batch: StoredBatch, indices: IndexSet) -> bool:
+    """Whether ``batch`` stored any of ``indices`` (read only where its summary cannot tell)."""
+    without = batch.record.without_rows
+    if without and indices.contains(without).any():
+        return True
+    progression = batch.summary.progression
+    if not batch.rows:
+        return False
+    if progression is not None:
+        return bool(indices.overlap(*progression).size)
+    return bool(indices.contains(batch.read_indices().numpy()).any())
 
 
 def check_header(
@@ -70,13 +276,14 @@ def check_header(
         if match is None or int(match.group(1)) >= len(record.batches):
             raise damaged(f"it holds {name!r}, which the record has no batch for")
         position, key = int(match.group(1)), match.group(2)
-        rows = record.batches[position].rows
+        batch = record.batches[position]
+        rows = batch.rows
         dtype = _DTYPES.get(code, code)
         if key == INDEX_KEY:
             if dtype != "int64" or list(shape) != [rows]:
                 raise damaged(f"{name!r} is {dtype} {shape}, the record says int64 [{rows}]")
             continue
-        if key not in record.keys:
+        if key not in record.keys or (batch.keys is not None and key not in batch.keys):
             raise damaged(f"it holds {name!r}, a key the record does not list")
         if dtype != record.keys[key]:
             raise damaged(f"{name!r} is {dtype}, the record says {record.keys[key]}")
@@ -89,54 +296,13 @@ def check_header(
             raise damaged(f"{name!r} has shape {shape}, the record says {expected}")
         stored[position][key] = tuple(shape)
         seen.add(key)
-    for position in range(len(record.batches)):  # keys may be in only some batches, not these
+    for position, batch in enumerate(record.batches):
         if f"b{position}/{INDEX_KEY}" not in header:
             raise damaged(f"batch {position} has no {INDEX_KEY!r}")
+        listed = batch.keys if batch.keys is not None or batch.index is None else record.keys
+        lacking = sorted(set(listed or ()) - set(stored[position]))
+        if lacking:
+            raise damaged(f"batch {position} lacks {lacking}, which the record lists for it")
     if set(record.keys) - seen:
         raise damaged(f"it lacks {sorted(set(record.keys) - seen)}, which the record lists")
     return stored
-
-
-def read_first_commits(
-    batches: list[StoredBatch], *, token_rows: bool
-) -> tuple[list[StoredBatch], torch.Tensor]:
-    """``batches`` (in commit order) set to read each dataset index from its first commit
-    only, and the indices stored more than once (ascending; none in a sound store).
-
-    A row per sample: an index in more than one row is duplicated, and its first row is
-    read. Token rows (``token_rows``): a sample's rows are stored together, so an index in
-    more than one batch is duplicated, and every row of it in its first batch is read.
-    """
-    if not batches:
-        return batches, torch.empty(0, dtype=torch.int64)
-    samples = [
-        torch.cat([torch.unique(b.indices), b.without_rows]) if token_rows else b.indices
-        for b in batches
-    ]
-    every = torch.cat(samples)
-    values, counts = torch.unique(every, return_counts=True)
-    duplicated = values[counts > 1]
-    if not duplicated.numel():
-        return batches, duplicated
-    order = torch.argsort(every, stable=True)  # first commit first among equal indices
-    ordered = every[order]
-    first = torch.ones_like(ordered, dtype=torch.bool)
-    first[1:] = ordered[1:] != ordered[:-1]
-    first_values, first_slot = ordered[first], order[first]  # where each index is first
-    owner = torch.cat([torch.full((len(s),), i) for i, s in enumerate(samples)])
-
-    def first_batch(indices: torch.Tensor) -> torch.Tensor:
-        return owner[first_slot[torch.searchsorted(first_values, indices)]]
-
-    read, offset = [], 0
-    for i, (batch, sample) in enumerate(zip(batches, samples, strict=True)):
-        empty = batch.without_rows
-        if token_rows:  # every row of a sample, from the batch that holds it first
-            keep = first_batch(batch.indices) == i
-            empty = empty[first_batch(empty) == i]
-        else:  # the row that is its index's first occurrence
-            slot = first_slot[torch.searchsorted(first_values, batch.indices)]
-            keep = slot == torch.arange(offset, offset + len(sample))
-        offset += len(sample)
-        read.append(dataclasses.replace(batch, keep=keep, without_rows=empty))
-    return read, duplicated

@@ -173,7 +173,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         if not self.rows:
             raise StoreError(f"{self.path} holds no rows of {list(self.keys)}")
         self._digest = hashlib.blake2b(
-            repr([(b.shard.name, b.position, b.rows) for b in self._blocks]).encode()
+            repr([(b.batch.source.name, b.batch.position, b.rows) for b in self._blocks]).encode()
         ).hexdigest()
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by workers
         self._carried: tuple[int, int] | str | None = None  # see __getstate__
@@ -307,13 +307,13 @@ def _layout(store: FeatureStore, keys: Sequence[str], incomplete: Incomplete) ->
     ``store`` reads from it (an index stored twice is read from its first commit)."""
     counts, blocks = dict.fromkeys(keys, 0), []
     for batch in store.stored_batches():
-        held = [key for key in keys if key in batch.shapes]
+        held = [key for key in keys if key in batch.keys]
         keep = None if batch.keep is None else batch.keep.nonzero().flatten()
-        rows = batch.indices.numel() if keep is None else keep.numel()
+        rows = batch.kept_rows
         for key in held:
             counts[key] += rows
         if len(held) == len(keys) and rows:
-            blocks.append(Block(batch.shard, batch.position, rows, keep))
+            blocks.append(Block(batch, rows, keep))
     complete = sum(block.rows for block in blocks)
     for key in keys:
         if counts[key] != complete and incomplete == "error":

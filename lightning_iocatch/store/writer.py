@@ -19,6 +19,7 @@ The writer's own rules:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import sys
@@ -131,7 +132,8 @@ class ShardWriter:
     ) -> None:
         if sys.byteorder != "little":
             raise StoreError("the feature store format is little-endian; this machine is not")
-        self.path = open_backend(path, storage_options)
+        self.backend = open_backend(path, storage_options)
+        self.path = self.backend.path  # a local directory, or an ObjectLocation
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
         self.durable = durable
@@ -306,12 +308,12 @@ class ShardWriter:
     def _write_shard(self, batches: list[SelectedBatch]) -> None:
         """The shard, then its record: the commit point (see :mod:`~.backends.base`)."""
         name = shard_name(self.rank, self._next_seq)
-        crc, size = self.path.write_shard(
+        crc, size = self.backend.write_shard(
             name,
             lambda handle: _serialize(handle, batches, self.rank, self._cancel),
             durable=self.durable,
         )
-        self.path.commit(_record(name, self.rank, crc, size, batches), durable=self.durable)
+        self.backend.commit(_record(name, self.rank, crc, size, batches), durable=self.durable)
         self._next_seq += 1
         self.rows_written += sum(batch.record.rows for batch in batches)
         self.bytes_written += size
@@ -323,18 +325,24 @@ def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBat
     for batch in batches:
         for key, reason in batch.skipped.items():
             skipped.setdefault(key, reason)
+    keys = {
+        key: dtype_name(tensor.dtype)
+        for batch in batches
+        for key, tensor in batch.tensors.items()
+        if key != INDEX_KEY
+    }
+    records = []
+    for batch in batches:  # a batch without some of the shard's keys says which it has
+        held = tuple(sorted(key for key in batch.tensors if key != INDEX_KEY))
+        partial = len(held) < len(keys)
+        records.append(dataclasses.replace(batch.record, keys=held) if partial else batch.record)
     return ShardRecord(
         file=name,
         rank=rank,
         bytes=size,
         crc32=crc,
-        batches=tuple(batch.record for batch in batches),
-        keys={
-            key: dtype_name(tensor.dtype)
-            for batch in batches
-            for key, tensor in batch.tensors.items()
-            if key != INDEX_KEY
-        },
+        batches=tuple(records),
+        keys=keys,
         shapes=_shapes(batches),
         per_batch=tuple(sorted(set().union(*(batch.per_batch for batch in batches)))),
         skipped=skipped,

@@ -246,10 +246,10 @@ def damage(place: Place, how: str) -> str:
     records = sorted(n for n in place.names() if n.startswith(("ledger-", "commits/r")))
     if how == "truncated shard":
         place.write(first, place.read(first)[:-10])
-        return rf"shard .*{first} is \d+ bytes, (the ledger|its commit record) says \d+"
+        return rf"shard .*{first} is \d+ bytes, its record says \d+"
     if how == "missing shard":
         place.fs.rm_file(place.raw(first))
-        return rf"shard .*{first} is (in the ledger|committed) .*missing"
+        return rf"shard .*{first} is committed .*missing"
     if how == "changed record":
         raw = place.read(records[0])
         digit = raw.index(b",", raw.index(b'"crc32":')) - 1  # the shard CRC's last digit
@@ -269,14 +269,18 @@ def damage(place: Place, how: str) -> str:
 def test_damage_is_an_error_naming_what_is_damaged(
     place: Place, how: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Damage to the records or to a shard's size is found by opening and by a resume; a
+    flipped index, when it is read (the records' index summaries are what open and resume
+    trust, and they are right), and by ``inspect --verify``."""
     write(place, batches())
     match = damage(place, how)
     with pytest.raises(StoreError, match=match):
-        FeatureStore(place.url, storage_options=place.options)
-    with pytest.raises(StoreError, match=match):
-        prepare_store(place.url, "resume", SETTINGS, storage_options=place.options)  # type: ignore[arg-type]
+        _ = FeatureStore(place.url, storage_options=place.options).indices
+    if how != "flipped index":
+        with pytest.raises(StoreError, match=match):
+            prepare_store(place.url, "resume", SETTINGS, storage_options=place.options)  # type: ignore[arg-type]
     capsys.readouterr()
-    assert inspect(place) == 2
+    assert inspect(place, "--verify") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
 

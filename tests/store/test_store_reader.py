@@ -635,7 +635,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "record key not in header": (
         change_record(keys=lambda r: {**r.keys, "ghost": "float32"}),
-        r"it lacks \['ghost'\], which the record lists",
+        r"lacks \['ghost'\], which the record lists",
     ),
     "shard recorded twice": (
         append_line,
@@ -643,7 +643,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "shard missing": (
         lambda path: (path / shard_name(0, 2)).unlink(),
-        rf"shard-r000-000002.safetensors is in the ledger \(.*{LEDGER} line 3\) but missing",
+        rf"shard-r000-000002.safetensors is committed \(.*{LEDGER} line 3\) but missing",
     ),
     "shard header garbage": (
         lambda path: (path / shard_name(0, 1)).write_bytes(
@@ -664,14 +664,22 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
 }
 
 
+HEADER_DAMAGE = ("record key not in header", "shard header garbage")
+
+
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_damage_is_an_error_naming_the_file(
     store: Path, damage: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Damage to the records or to a shard's size is found when the store is opened;
+    damage to a shard's header, before its first tensor is read (opening reads no shard)."""
     apply, message = DAMAGE[damage]
     apply(store)
     with pytest.raises(StoreError, match=message):
-        FeatureStore(store)
+        opened = FeatureStore(store)
+        assert damage.startswith("header") or damage in HEADER_DAMAGE
+        for key in opened:  # a key of each batch: every shard's header is checked
+            list(opened.batches(key))
     code, out, err = inspect(store, "--verify", capsys=capsys)
     assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: ")
     assert any(name in err for name in (LEDGER, STORE_FILE, "shard-r000-"))

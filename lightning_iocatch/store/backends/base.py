@@ -20,22 +20,64 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
+from lightning_iocatch.errors import StoreError
+from lightning_iocatch.store.backends.object_location import ObjectLocation
 from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.records import ShardRecord
 
-__all__ = ["Shard", "StoreBackend", "Write"]
+__all__ = ["Committed", "Shard", "StoreBackend", "Write", "check_committed_shards"]
 
 Write = Callable[[IO[bytes]], tuple[int, int]]
 """Writes a shard's bytes to an open handle; returns their CRC-32 and size."""
 
 
+@dataclass(frozen=True)
+class Committed:
+    """What a store's place holds committed, as read at one moment: the record of every
+    committed shard (both kinds of commit point, by rank then sequence number) and, where
+    the same listing gave them, the sizes of the objects there (so that the shards can be
+    checked without asking again)."""
+
+    entries: list[LedgerEntry]
+    sizes: Mapping[str, int] | None = None
+
+
+def check_committed_shards(
+    entries: Sequence[LedgerEntry],
+    size_of: Callable[[str], int | None],
+    where: Callable[[str], str],
+) -> None:
+    """Every committed shard recorded once, there, and of its recorded size; a
+    :class:`StoreError` naming the shard and its record otherwise. ``size_of(name)``:
+    the shard's size, ``None`` where it is missing; ``where(name)``: its path or URL."""
+    first: dict[str, LedgerEntry] = {}
+    for entry in entries:
+        name = entry.record.file
+        if name in first:
+            raise StoreError(
+                f"shard {name} is recorded twice, in {first[name].where} and {entry.where}: "
+                "the records are damaged"
+            )
+        first[name] = entry
+        size = size_of(name)
+        if size is None:
+            raise StoreError(f"shard {where(name)} is committed ({entry.where}) but missing")
+        if size != entry.record.bytes:
+            raise StoreError(
+                f"shard {where(name)} is {size} bytes, its record says {entry.record.bytes} "
+                f"({entry.where}): it was truncated or replaced"
+            )
+
+
 class Shard(ABC):
-    """A committed shard as a reader sees it; compared by identity.
+    """A committed shard as a reader sees it; compared by identity. Nothing is read from it
+    until asked: its header on first use (then kept), tensors and rows each time.
 
     ``str(shard)`` is where it is (a path or a URL), for messages.
     """
@@ -44,7 +86,7 @@ class Shard(ABC):
 
     @abstractmethod
     def header(self) -> dict[str, tuple[str, list[int]]]:
-        """Tensor name -> (safetensors dtype code, shape)."""
+        """Tensor name -> (safetensors dtype code, shape), read once."""
 
     @abstractmethod
     def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -65,6 +107,11 @@ class StoreBackend(ABC):
     ``str(backend)`` is the location as the user gave it (a path or a URL). A backend
     pickles (DataLoader workers, DDP ranks), making its connections anew in each process.
     """
+
+    @property
+    @abstractmethod
+    def path(self) -> Path | ObjectLocation:
+        """The location: a local directory, or the prefix on object storage."""
 
     place: str
     """How messages say where the store's bytes are: ``"on disk"``, ``"under the prefix"``."""
@@ -94,13 +141,14 @@ class StoreBackend(ABC):
         (``commits/r000-000000.json``), with its size: the store's own and anyone else's."""
 
     @abstractmethod
-    def committed(self, store_format: str) -> list[LedgerEntry]:
+    def committed(self, store_format: str) -> Committed:
         """The record of every committed shard, by rank then sequence number (both kinds of
         commit point); damage is an error naming the file and line or object."""
 
     @abstractmethod
-    def open_shards(self, entries: Sequence[LedgerEntry]) -> dict[str, Shard]:
-        """Each committed shard by name, once it is there with its recorded size."""
+    def open_shards(self, committed: Committed) -> dict[str, Shard]:
+        """Each committed shard by name, once it is there with its recorded size (see
+        :func:`check_committed_shards`); nothing is read from it yet."""
 
     def contains(self, path: Path) -> bool:
         """Whether the local ``path`` is inside the store's place."""
@@ -120,12 +168,13 @@ class StoreBackend(ABC):
     # Cleaning
 
     @abstractmethod
-    def clear(self) -> None:
-        """Delete the store's own files or objects (``mode="overwrite"``), nothing else;
-        ``store.json`` first, then the commit points, then the shards."""
+    def clear(self, names: Mapping[str, int]) -> None:
+        """Delete the store's own files or objects among ``names`` (what :meth:`names` gave;
+        ``mode="overwrite"``), nothing else: ``store.json`` first, then the commit points,
+        then the shards."""
 
     @abstractmethod
-    def clean_for_resume(self, store_format: str) -> list[LedgerEntry]:
+    def clean_for_resume(self, store_format: str) -> Committed:
         """Make the store ready to continue (``mode="resume"``): complete or cut the last
         ledger lines, delete what no record commits (debris of a killed run) and nothing
-        else. The committed records, as :meth:`committed` gives them."""
+        else. What is committed, as :meth:`committed` gives it."""

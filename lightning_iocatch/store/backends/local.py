@@ -31,7 +31,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.backends.base import Shard, StoreBackend, Write
+from lightning_iocatch.store.backends.base import (
+    Committed,
+    Shard,
+    StoreBackend,
+    Write,
+    check_committed_shards,
+)
 from lightning_iocatch.store.backends.local_files import (
     check_own_path,
     fsync_dir,
@@ -47,7 +53,6 @@ from lightning_iocatch.store.backends.local_records import (
     read_commit_files,
     read_ledger_entries,
 )
-from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.names import (
     COMMITS,
     STORE_FILE,
@@ -57,7 +62,7 @@ from lightning_iocatch.store.names import (
     ledger_rank,
     shard_rank_and_seq,
 )
-from lightning_iocatch.store.records import ShardRecord
+from lightning_iocatch.store.records import ShardRecord, format_version
 
 __all__ = ["LocalBackend", "LocalShard"]
 
@@ -69,14 +74,17 @@ class LocalShard(Shard):
 
     def __init__(self, path: Path) -> None:
         self.path, self.name = path, path.name
+        self._header: dict[str, tuple[str, list[int]]] | None = None
 
     def __str__(self) -> str:
         return str(self.path)
 
     def header(self) -> dict[str, tuple[str, list[int]]]:
-        with self._open() as handle:
-            slices = {name: handle.get_slice(name) for name in handle.keys()}  # noqa: SIM118
-            return {name: (s.get_dtype(), s.get_shape()) for name, s in slices.items()}
+        if self._header is None:
+            with self._open() as handle:
+                slices = {name: handle.get_slice(name) for name in handle.keys()}  # noqa: SIM118
+                self._header = {n: (s.get_dtype(), s.get_shape()) for n, s in slices.items()}
+        return self._header
 
     def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         with self._open() as handle:
@@ -107,6 +115,10 @@ class LocalBackend(StoreBackend):
 
     def __init__(self, root: Path) -> None:
         self.root = root
+
+    @property
+    def path(self) -> Path:
+        return self.root
 
     def __str__(self) -> str:
         return str(self.root)
@@ -157,36 +169,24 @@ class LocalBackend(StoreBackend):
                     found[f"{COMMITS}/{entry.name}"] = entry.stat(follow_symlinks=False).st_size
         return found
 
-    def committed(self, store_format: str) -> list[LedgerEntry]:
-        entries = read_ledger_entries(self.root)
+    def committed(self, store_format: str) -> Committed:
+        version = format_version(store_format)
+        entries = read_ledger_entries(self.root, version)
         entries += read_commit_files(self.root, store_format=store_format)
-        return sorted(entries, key=lambda entry: entry.commit_order)
+        return Committed(sorted(entries, key=lambda entry: entry.commit_order))
 
-    def open_shards(self, entries: Sequence[LedgerEntry]) -> dict[str, Shard]:
-        shards: dict[str, Shard] = {}
-        first: dict[str, LedgerEntry] = {}
-        for entry in entries:
-            record = entry.record
-            if record.file in first:
-                raise StoreError(
-                    f"shard {record.file} is recorded twice, in {first[record.file].where} and "
-                    f"{entry.where}: the ledger is damaged"
-                )
-            first[record.file] = entry
-            path = check_own_path(self.root, record.file)
-            if not path.is_file():
-                problem = "is not a regular file" if os.path.lexists(path) else "missing"
-                raise StoreError(
-                    f"shard {path} is in the ledger ({entry.where}) but {problem} on disk"
-                )
-            size = path.stat().st_size
-            if size != record.bytes:
-                raise StoreError(
-                    f"shard {path} is {size} bytes, the ledger says {record.bytes} "
-                    f"({entry.where}): it was truncated or replaced"
-                )
-            shards[record.file] = LocalShard(path)
-        return shards
+    def open_shards(self, committed: Committed) -> dict[str, Shard]:
+        def size_of(name: str) -> int | None:
+            path = check_own_path(self.root, name)
+            if os.path.lexists(path) and not path.is_file():
+                raise StoreError(f"shard {path} is committed but is not a regular file")
+            return path.stat().st_size if path.is_file() else None
+
+        check_committed_shards(committed.entries, size_of, lambda name: str(self.root / name))
+        return {
+            entry.record.file: LocalShard(self.root / entry.record.file)
+            for entry in committed.entries
+        }
 
     # Writing
 
@@ -225,38 +225,46 @@ class LocalBackend(StoreBackend):
 
     # Cleaning
 
-    def clear(self) -> None:
+    def clear(self, names: Mapping[str, int]) -> None:
         with self._errors("prepare the feature store"):
-            names = _list_dir(self.root) if self.root.is_dir() else []
-            for name in sorted(names, key=lambda n: (n != STORE_FILE, ledger_rank(n) is None)):
-                if is_store_file(name):
-                    check_own_path(self.root, name, for_writing=True)  # refuses a link
-                    (self.root / name).unlink()
-                elif self._is_our_serializer_temp(name):
-                    (self.root / name).unlink()
-            delete_commit_files(self.root)
+            top = sorted(name for name in names if "/" not in name)  # commits/: its own turn
+            points = [n for n in top if n == STORE_FILE or ledger_rank(n) is not None]
+            for name in sorted(points, key=lambda n: n != STORE_FILE):
+                self._delete_own(name)  # store.json, then the ledgers: no shard counts now
+            delete_commit_files(self.root)  # the commit records of a downloaded store
+            for name in top:
+                if name not in points:
+                    self._delete_own(name)
             if names:
                 fsync_dir(self.root)
 
-    def clean_for_resume(self, store_format: str) -> list[LedgerEntry]:
+    def _delete_own(self, name: str) -> None:
+        """Delete ``name`` if it is one of the store's own files (or safetensors' temporary
+        file of one); a symbolic link there is refused, never followed."""
+        if not os.path.lexists(self.root / name):
+            return
+        if is_store_file(name):
+            check_own_path(self.root, name, for_writing=True)
+            (self.root / name).unlink()
+        elif self._is_our_serializer_temp(name):
+            (self.root / name).unlink()
+
+    def clean_for_resume(self, store_format: str) -> Committed:
         with self._errors("prepare the feature store"):
             names = _list_dir(self.root)
             for name in names:
                 if ledger_rank(name) is not None:
                     check_own_path(self.root, name, for_writing=True)  # refuses a link
                     drop_torn_tail(self.root / name)
-            entries = self.committed(store_format)
-            committed_files = {entry.record.file for entry in entries}
+            committed = self.committed(store_format)
+            kept = {entry.record.file for entry in committed.entries}
             for name in names:
                 unfinished = is_store_file(name) and name.endswith(".tmp")
-                uncommitted = shard_rank_and_seq(name) is not None and name not in committed_files
-                if unfinished or uncommitted:
-                    check_own_path(self.root, name, for_writing=True)
-                    (self.root / name).unlink()
-                elif self._is_our_serializer_temp(name):
-                    (self.root / name).unlink()
+                uncommitted = shard_rank_and_seq(name) is not None and name not in kept
+                if unfinished or uncommitted or self._is_our_serializer_temp(name):
+                    self._delete_own(name)
             fsync_dir(self.root)
-        return entries
+        return committed
 
     def _is_our_serializer_temp(self, name: str) -> bool:
         """A temporary file safetensors' ``save_file`` left while writing one of our shards.

@@ -63,13 +63,14 @@ def _ledger_paths(root: Path) -> list[Path]:
     return [check_own_path(root, name) for _, name in found]
 
 
-def read_ledger_entries(root: Path) -> list[LedgerEntry]:
-    """Every committed record of every rank with its ledger line, in rank then ledger order.
+def read_ledger_entries(root: Path, version: int | None = None) -> list[LedgerEntry]:
+    """Every committed record of every rank with its ledger line, in rank then ledger order,
+    in a store of format ``/{version}`` (default: as its ``store.json`` says).
 
     Raises :class:`StoreError` naming the ledger and line for any damage (see the module
     docstring for what counts as committed).
     """
-    version = _version(root)
+    version = _version(root) if version is None else version
     entries: list[LedgerEntry] = []
     for path in _ledger_paths(root):
         try:

@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.backends.base import Shard, StoreBackend, Write
+from lightning_iocatch.store.backends.base import Committed, Shard, StoreBackend, Write
 from lightning_iocatch.store.backends.object_location import (
     ObjectLocation,
     is_missing_bucket,
@@ -78,7 +78,6 @@ __all__ = [
     "delete_objects",
     "list_objects",
     "read_commit_entries",
-    "read_object",
     "read_store_info",
     "write_object",
     "write_shard_object",
@@ -105,13 +104,6 @@ def _is_folder_marker(name: str, info: dict[str, Any]) -> bool:
     """The empty object named ``folder/`` that the S3 console makes for a folder (or the
     prefix's own, listed as ``""``): it is no object of a store, nor anyone's data."""
     return (not name or name.endswith("/")) and not int(info.get("size") or 0)
-
-
-def read_object(location: ObjectLocation, name: str) -> bytes:
-    """The bytes of the store's object ``name``."""
-    with remote_request("read", location.url_of(name)):
-        data: bytes = location.fs.cat_file(location.path(name))
-    return data
 
 
 def write_object(location: ObjectLocation, name: str, data: bytes) -> None:
@@ -259,7 +251,10 @@ class ObjectBackend(StoreBackend):
 
     def __init__(self, location: ObjectLocation) -> None:
         self.location = location
-        self._listing: dict[str, int] | None = None  # of the last committed(): one LIST less
+
+    @property
+    def path(self) -> ObjectLocation:
+        return self.location
 
     def __str__(self) -> str:
         return self.location.url
@@ -273,9 +268,6 @@ class ObjectBackend(StoreBackend):
     def __hash__(self) -> int:
         return hash(self.location)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"location": self.location, "_listing": None}
-
     def has_info(self) -> bool:
         return STORE_FILE in list_objects(self.location)
 
@@ -288,13 +280,15 @@ class ObjectBackend(StoreBackend):
     def names(self) -> dict[str, int]:
         return list_objects(self.location)
 
-    def committed(self, store_format: str) -> list[LedgerEntry]:
-        self._listing = list_objects(self.location)
-        return read_commit_entries(self.location, self._listing, store_format=store_format)
+    def committed(self, store_format: str) -> Committed:
+        """One listing gives the commit records and the shards' sizes."""
+        listing = list_objects(self.location)
+        entries = read_commit_entries(self.location, listing, store_format=store_format)
+        return Committed(entries, listing)
 
-    def open_shards(self, entries: Sequence[LedgerEntry]) -> dict[str, Shard]:
-        listing, self._listing = self._listing, None
-        return open_remote_shards(self.location, entries, listing or list_objects(self.location))
+    def open_shards(self, committed: Committed) -> dict[str, Shard]:
+        sizes = committed.sizes if committed.sizes is not None else list_objects(self.location)
+        return open_remote_shards(self.location, committed.entries, sizes)
 
     def write_shard(self, name: str, write: Write, *, durable: bool) -> tuple[int, int]:
         """A completed upload is durable: ``durable`` changes nothing here."""
@@ -303,26 +297,26 @@ class ObjectBackend(StoreBackend):
     def commit(self, record: ShardRecord, *, durable: bool) -> None:
         commit_shard(self.location, record)
 
-    def clear(self) -> None:
+    def clear(self, names: Mapping[str, int]) -> None:
         """``store.json`` first (a store cut short here is no store at all), then every commit
         point (then no shard counts), then the shards."""
-        listing = list_objects(self.location)
-        points = {n for n in listing if commit_rank_and_seq(n) or ledger_rank(n) is not None}
-        delete_objects(self.location, [name for name in listing if name == STORE_FILE])
+        points = {n for n in names if commit_rank_and_seq(n) or ledger_rank(n) is not None}
+        delete_objects(self.location, [name for name in names if name == STORE_FILE])
         delete_objects(self.location, points)
-        delete_objects(self.location, [n for n in listing if n != STORE_FILE and n not in points])
+        delete_objects(self.location, [n for n in names if n != STORE_FILE and n not in points])
 
-    def clean_for_resume(self, store_format: str) -> list[LedgerEntry]:
+    def clean_for_resume(self, store_format: str) -> Committed:
         """Delete shard objects without a commit record (or ledger line: a store copied from
         disk)."""
-        entries = self.committed(store_format)
-        listing = self._listing or {}
-        committed = {entry.record.file for entry in entries}
+        committed = self.committed(store_format)
+        listing = dict(committed.sizes or {})
+        kept = {entry.record.file for entry in committed.entries}
         uncommitted = [
             name
             for name in listing
-            if shard_rank_and_seq(name.removesuffix(".tmp")) is not None and name not in committed
+            if shard_rank_and_seq(name.removesuffix(".tmp")) is not None and name not in kept
         ]
         delete_objects(self.location, uncommitted)
-        self._listing = {n: size for n, size in listing.items() if n not in uncommitted}
-        return entries
+        for name in uncommitted:
+            del listing[name]
+        return Committed(committed.entries, listing)

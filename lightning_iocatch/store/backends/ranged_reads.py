@@ -1,14 +1,13 @@
 """Shards on object storage, read with ranged requests: headers first, then only the tensors asked.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's
-dtype, shape and byte offsets) and the tensors' bytes. Opening a remote store
-(:func:`open_remote_shards`) reads, per committed shard, a first range sized from its
-commit record to hold its header and its batches' ``__index__`` tensors (these follow the
-header when no stored key is wider than 8 bytes; a longer header takes one more request),
-for all shards at once; a :class:`RemoteShard` then serves what lies in that range from it,
-and reads other tensors and rows with ranged requests of their bytes (two ranges of a shard
-less than 64 KiB apart are read as one, so a read holds at most 64 KiB between the tensors
-asked), never a whole shard unless asked (:meth:`RemoteShard.crc32`). Every range goes
+dtype, shape and byte offsets) and the tensors' bytes. Opening a remote store requests
+nothing from its shards (:func:`open_remote_shards` checks them against the listing); a
+:class:`RemoteShard` reads its header on first use, with a first range sized from its
+commit record (a longer header takes one more request; :func:`load_headers` reads many at
+once), and then reads tensors and rows with ranged requests of their bytes (two ranges of
+a shard less than 64 KiB apart are read as one, so a read holds at most 64 KiB between the
+tensors asked), never a whole shard unless asked (:meth:`RemoteShard.crc32`). Every range goes
 through the filesystem's ``cat_ranges``, which asynchronous filesystems (s3fs, gcsfs)
 answer concurrently; an empty range (a tensor with no elements) is not requested.
 """
@@ -18,28 +17,25 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lightning_iocatch.errors import StoreError
-from lightning_iocatch.store.backends.base import Shard
+from lightning_iocatch.store.backends.base import Shard, check_committed_shards
 from lightning_iocatch.store.backends.object_location import (
     ObjectLocation,
     remote_error,
     remote_request,
 )
 from lightning_iocatch.store.commits import LedgerEntry
-from lightning_iocatch.store.shard_file import STORABLE_DTYPES
+from lightning_iocatch.store.shard_file import READABLE_CODES
 
-__all__ = ["RemoteShard", "open_remote_shards"]
+__all__ = ["RemoteShard", "load_headers", "open_remote_shards"]
 
 
 _MERGE_GAP = 64 << 10  # two wanted ranges of one shard this close are read as one
-
-
-_CODES = {code: dtype for dtype, code in STORABLE_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -50,12 +46,11 @@ class _Span:
     end: int
 
 
-def _first_range(entry: LedgerEntry) -> int:
-    """Bytes to read first: the header (under 100 bytes per tensor besides its name, so the
-    estimate is generous) and the batches' indices, which follow it when no key is wider."""
+def _header_guess(entry: LedgerEntry) -> int:
+    """Bytes that hold a shard's header: under 100 bytes per tensor besides its name, so the
+    guess is generous; a longer header takes one more request."""
     record = entry.record
-    per_batch = 112 + sum(len(key) + 112 for key in record.keys)
-    return 1024 + len(record.batches) * per_batch + 8 * sum(b.rows for b in record.batches)
+    return 1024 + len(record.batches) * (112 + sum(len(key) + 112 for key in record.keys))
 
 
 def _header_length(location: ObjectLocation, name: str, head: bytes) -> int:
@@ -76,7 +71,7 @@ def _parse_header(location: ObjectLocation, name: str, size: int, raw: bytes) ->
             if tensor == "__metadata__":
                 continue
             code, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            dtype = _CODES.get(code)
+            dtype = READABLE_CODES.get(code)
             if dtype is None:
                 raise ValueError(f"{tensor!r} has an unknown dtype {code!r}")
             count = 1
@@ -132,37 +127,38 @@ def _fetch(location: ObjectLocation, ranges: Sequence[tuple[str, int, int]]) -> 
 
 
 def _tensor(raw: bytes | memoryview, span: _Span) -> torch.Tensor:
-    dtype = _CODES[span.code]
+    dtype = READABLE_CODES[span.code]
     if not raw:
         return torch.empty(span.shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(span.shape)
 
 
 class RemoteShard(Shard):
-    """A committed shard object, its parsed header and the first bytes read with it."""
+    """A committed shard object; its header is read on first use (or by
+    :func:`load_headers` for many shards at once), then kept as parsed spans."""
 
-    def __init__(
-        self, location: ObjectLocation, name: str, size: int, spans: dict[str, _Span], head: bytes
-    ) -> None:
-        self.location, self.name, self.size, self.spans = location, name, size, spans
-        self._head = head  # the object's first bytes: the header and, often, the indices
+    def __init__(self, location: ObjectLocation, name: str, size: int, guess: int) -> None:
+        self.location, self.name, self.size = location, name, size
+        self._guess = min(guess, size)  # bytes that likely hold the whole header
+        self._spans: dict[str, _Span] | None = None
 
     def __str__(self) -> str:
         return self.location.url_of(self.name)
+
+    @property
+    def spans(self) -> dict[str, _Span]:
+        if self._spans is None:
+            load_headers([self])
+        assert self._spans is not None
+        return self._spans
 
     def header(self) -> dict[str, tuple[str, list[int]]]:
         return {name: (span.code, list(span.shape)) for name, span in self.spans.items()}
 
     def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The tensors ``names``: from the first bytes where they lie there, else read with
-        ranged requests of their bytes."""
-        spans = {name: self.spans[name] for name in names}
-        held = {n: s for n, s in spans.items() if s.end <= len(self._head)}
-        wanted = [n for n in names if n not in held]
-        data = _fetch(self.location, [(self.name, spans[n].start, spans[n].end) for n in wanted])
-        out = {n: _tensor(self._head[s.start : s.end], s) for n, s in held.items()}
-        out.update({n: _tensor(raw, spans[n]) for n, raw in zip(wanted, data, strict=True)})
-        return {name: out[name] for name in names}
+        spans = [self.spans[name] for name in names]
+        data = _fetch(self.location, [(self.name, s.start, s.end) for s in spans])
+        return {n: _tensor(raw, span) for n, span, raw in zip(names, spans, data, strict=True)}
 
     def read_rows(self, names: Sequence[str], first: int, stop: int) -> dict[str, torch.Tensor]:
         ranges, shapes = [], []
@@ -188,39 +184,31 @@ class RemoteShard(Shard):
 
 
 def open_remote_shards(
-    location: ObjectLocation, entries: Sequence[LedgerEntry], listing: dict[str, int]
+    location: ObjectLocation, entries: Sequence[LedgerEntry], sizes: Mapping[str, int]
 ) -> dict[str, Shard]:
-    """Each committed shard by name, once present with its recorded size, its header parsed;
-    ``listing`` is the prefix's listing (name -> size). The first bytes of every shard are
-    read in one ``cat_ranges``."""
-    first: dict[str, LedgerEntry] = {}
-    for entry in entries:
-        record = entry.record
-        if record.file in first:
-            raise StoreError(f"shard {record.file} is committed twice: {entry.where} is damaged")
-        first[record.file] = entry
-        where = location.url_of(record.file)
-        if record.file not in listing:
-            raise StoreError(f"shard {where} is committed ({entry.where}) but missing")
-        if listing[record.file] != record.bytes:
-            raise StoreError(
-                f"shard {where} is {listing[record.file]} bytes, its commit record says "
-                f"{record.bytes} ({entry.where}): it was truncated or replaced"
-            )
-    names = list(first)
-    sizes = [first[name].record.bytes for name in names]
-    firsts = [
-        (name, 0, min(_first_range(first[name]), size))
-        for name, size in zip(names, sizes, strict=True)
-    ]
-    heads = [bytes(head) for head in _fetch(location, firsts)]
-    lengths = [_header_length(location, n, head) for n, head in zip(names, heads, strict=True)]
-    short = [(n, len(h), 8 + k) for n, h, k in zip(names, heads, lengths, strict=True)]
-    rest = iter(_fetch(location, [r for r in short if r[2] > r[1]]))
-    shards: dict[str, Shard] = {}
-    for name, size, head, length in zip(names, sizes, heads, lengths, strict=True):
+    """Each committed shard by name, once there with its recorded size (``sizes``: the
+    prefix's listing); nothing is requested."""
+    check_committed_shards(entries, sizes.get, location.url_of)
+    return {
+        entry.record.file: RemoteShard(
+            location, entry.record.file, entry.record.bytes, _header_guess(entry)
+        )
+        for entry in entries
+    }
+
+
+def load_headers(shards: Sequence[RemoteShard]) -> None:
+    """Read and parse the headers of ``shards`` not read yet, in one ``cat_ranges`` (and one
+    more for headers longer than guessed)."""
+    todo = [shard for shard in shards if shard._spans is None]
+    if not todo:
+        return
+    location = todo[0].location
+    heads = [bytes(h) for h in _fetch(location, [(s.name, 0, s._guess) for s in todo])]
+    lengths = [_header_length(location, s.name, h) for s, h in zip(todo, heads, strict=True)]
+    longer = [(s.name, len(h), 8 + n) for s, h, n in zip(todo, heads, lengths, strict=True)]
+    rest = iter(_fetch(location, [r for r in longer if r[2] > r[1]]))
+    for shard, head, length in zip(todo, heads, lengths, strict=True):
         if 8 + length > len(head):
             head += bytes(next(rest))
-        spans = _parse_header(location, name, size, head[8 : 8 + length])
-        shards[name] = RemoteShard(location, name, size, spans, head)
-    return shards
+        shard._spans = _parse_header(location, shard.name, shard.size, head[8 : 8 + length])

@@ -143,8 +143,8 @@ class StoredBatch:
 
     def read_indices(self) -> torch.Tensor:
         """The dataset index of every stored row (checked against the record)."""
-        index = self.source.read([f"b{self.position}/{INDEX_KEY}"])
-        return self.check_index(next(iter(index.values())))
+        name = f"b{self.position}/{INDEX_KEY}"
+        return self.check_index(self.source.read_rows([name], 0, self.rows)[name])
 
     def check_index(self, index: torch.Tensor) -> torch.Tensor:
         """``index``, once it is what the record and summary say of this batch's."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,13 @@ from lightning_iocatch.store.backends.local_records import (
     read_commit_files,
     read_ledger_entries,
 )
+from lightning_iocatch.store.backends.safetensors_layout import (
+    Span,
+    header_length,
+    parse_header,
+    row_range,
+    to_tensor,
+)
 from lightning_iocatch.store.names import (
     COMMITS,
     STORE_FILE,
@@ -70,30 +77,43 @@ _SERIALIZER_MARK = b'"format":"lightning-iocatch-store/'
 
 
 class LocalShard(Shard):
-    """A committed shard on disk, memory-mapped by safetensors while it is read."""
+    """A committed shard on disk: whole tensors memory-mapped by safetensors while they are
+    kept; rows read with ``pread`` at the places its header (parsed once) gives."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.name = path, path.name
-        self._header: dict[str, tuple[str, list[int]]] | None = None
+        self._spans: dict[str, Span] | None = None
 
     def __str__(self) -> str:
         return str(self.path)
 
+    @property
+    def spans(self) -> dict[str, Span]:
+        if self._spans is None:
+            with self._file() as fd:
+                size = os.fstat(fd).st_size
+                length = header_length(os.pread(fd, 8, 0), str(self))
+                if 8 + length > size:
+                    raise StoreError(f"shard {self} is corrupted: its header runs past its end")
+                self._spans = parse_header(os.pread(fd, length, 8), size, str(self))
+        return self._spans
+
     def header(self) -> dict[str, tuple[str, list[int]]]:
-        if self._header is None:
-            with self._open() as handle:
-                slices = {name: handle.get_slice(name) for name in handle.keys()}  # noqa: SIM118
-                self._header = {n: (s.get_dtype(), s.get_shape()) for n, s in slices.items()}
-        return self._header
+        return {name: (span.code, list(span.shape)) for name, span in self.spans.items()}
 
     def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Views of the mapped file, mapped only as long as they are kept."""
         with self._open() as handle:
             return {name: handle.get_tensor(name) for name in names}
 
     def read_rows(self, names: Sequence[str], first: int, stop: int) -> dict[str, torch.Tensor]:
-        """Views of the mapped file, mapped only as long as they are kept."""
-        with self._open() as handle:
-            return {name: handle.get_slice(name)[first:stop] for name in names}
+        """The rows, copied: one ``pread`` of each tensor's rows."""
+        spans = [row_range(self.spans[name], first, stop) for name in names]
+        with self._file() as fd:
+            data = [os.pread(fd, span.end - span.start, span.start) for span in spans]
+        if any(len(raw) != span.end - span.start for raw, span in zip(data, spans, strict=True)):
+            raise StoreError(f"shard {self} changed while it was read")
+        return {n: to_tensor(raw, span) for n, raw, span in zip(names, data, spans, strict=True)}
 
     def crc32(self) -> int:
         return file_crc32(self.path)
@@ -105,6 +125,17 @@ class LocalShard(Shard):
                 yield handle
         except SafetensorError as error:
             raise StoreError(f"shard {self.path} is corrupted: {error}") from error
+
+    @contextlib.contextmanager
+    def _file(self) -> Iterator[int]:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as error:
+            raise StoreError(f"cannot read shard {self.path}: {error}") from error
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
 
 class LocalBackend(StoreBackend):

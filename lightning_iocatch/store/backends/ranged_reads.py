@@ -1,24 +1,20 @@
 """Shards on object storage, read with ranged requests: headers first, then only the tensors asked.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's
-dtype, shape and byte offsets) and the tensors' bytes. Opening a remote store requests
-nothing from its shards (:func:`open_remote_shards` checks them against the listing); a
-:class:`RemoteShard` reads its header on first use, with a first range sized from its
-commit record (a longer header takes one more request; :func:`load_headers` reads many at
-once), and then reads tensors and rows with ranged requests of their bytes (two ranges of
-a shard less than 64 KiB apart are read as one, so a read holds at most 64 KiB between the
-tensors asked), never a whole shard unless asked (:meth:`RemoteShard.crc32`). Every range goes
-through the filesystem's ``cat_ranges``, which asynchronous filesystems (s3fs, gcsfs)
-answer concurrently; an empty range (a tensor with no elements) is not requested.
+Opening a remote store requests nothing from its shards (:func:`open_remote_shards` checks
+them against the listing); a :class:`RemoteShard` reads its header on first use, with a
+first range sized from its commit record (a longer header takes one more request;
+:func:`load_headers` reads many at once), and then reads tensors and rows with ranged
+requests of their bytes (two ranges of a shard less than 64 KiB apart are read as one, so a
+read holds at most 64 KiB between the tensors asked), never a whole shard unless asked
+(:meth:`RemoteShard.crc32`). Every range goes through the filesystem's ``cat_ranges``,
+which asynchronous filesystems (s3fs, gcsfs) answer concurrently; an empty range (a tensor
+with no elements) is not requested.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -29,8 +25,14 @@ from lightning_iocatch.store.backends.object_location import (
     remote_error,
     remote_request,
 )
+from lightning_iocatch.store.backends.safetensors_layout import (
+    Span,
+    header_length,
+    parse_header,
+    row_range,
+    to_tensor,
+)
 from lightning_iocatch.store.commits import LedgerEntry
-from lightning_iocatch.store.shard_file import READABLE_CODES
 
 __all__ = ["RemoteShard", "load_headers", "open_remote_shards"]
 
@@ -38,51 +40,11 @@ __all__ = ["RemoteShard", "load_headers", "open_remote_shards"]
 _MERGE_GAP = 64 << 10  # two wanted ranges of one shard this close are read as one
 
 
-@dataclass(frozen=True)
-class _Span:
-    code: str  # the safetensors dtype code
-    shape: tuple[int, ...]
-    start: int  # absolute byte offsets in the object
-    end: int
-
-
 def _header_guess(entry: LedgerEntry) -> int:
     """Bytes that hold a shard's header: under 100 bytes per tensor besides its name, so the
     guess is generous; a longer header takes one more request."""
     record = entry.record
     return 1024 + len(record.batches) * (112 + sum(len(key) + 112 for key in record.keys))
-
-
-def _header_length(location: ObjectLocation, name: str, head: bytes) -> int:
-    if len(head) < 8:
-        raise StoreError(f"shard {location.url_of(name)} is corrupted: it has no header")
-    return int(struct.unpack("<Q", head[:8])[0])
-
-
-def _parse_header(location: ObjectLocation, name: str, size: int, raw: bytes) -> dict[str, _Span]:
-    where = location.url_of(name)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError(f"a JSON {type(header).__name__}, not an object")
-        spans = {}
-        base = 8 + len(raw)
-        for tensor, info in header.items():
-            if tensor == "__metadata__":
-                continue
-            code, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            dtype = READABLE_CODES.get(code)
-            if dtype is None:
-                raise ValueError(f"{tensor!r} has an unknown dtype {code!r}")
-            count = 1
-            for size_ in shape:
-                count *= int(size_)
-            if not 0 <= start <= end <= size - base or end - start != count * dtype.itemsize:
-                raise ValueError(f"{tensor!r} has offsets {[start, end]} that do not fit")
-            spans[tensor] = _Span(code, shape, base + start, base + end)
-    except (ValueError, KeyError, TypeError) as error:
-        raise StoreError(f"shard {where} is corrupted: its header is damaged ({error})") from error
-    return spans
 
 
 def _fetch(location: ObjectLocation, ranges: Sequence[tuple[str, int, int]]) -> list[memoryview]:
@@ -126,13 +88,6 @@ def _fetch(location: ObjectLocation, ranges: Sequence[tuple[str, int, int]]) -> 
     return out
 
 
-def _tensor(raw: bytes | memoryview, span: _Span) -> torch.Tensor:
-    dtype = READABLE_CODES[span.code]
-    if not raw:
-        return torch.empty(span.shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(span.shape)
-
-
 class RemoteShard(Shard):
     """A committed shard object; its header is read on first use (or by
     :func:`load_headers` for many shards at once), then kept as parsed spans."""
@@ -140,13 +95,13 @@ class RemoteShard(Shard):
     def __init__(self, location: ObjectLocation, name: str, size: int, guess: int) -> None:
         self.location, self.name, self.size = location, name, size
         self._guess = min(guess, size)  # bytes that likely hold the whole header
-        self._spans: dict[str, _Span] | None = None
+        self._spans: dict[str, Span] | None = None
 
     def __str__(self) -> str:
         return self.location.url_of(self.name)
 
     @property
-    def spans(self) -> dict[str, _Span]:
+    def spans(self) -> dict[str, Span]:
         if self._spans is None:
             load_headers([self])
         assert self._spans is not None
@@ -156,19 +111,14 @@ class RemoteShard(Shard):
         return {name: (span.code, list(span.shape)) for name, span in self.spans.items()}
 
     def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        spans = [self.spans[name] for name in names]
-        data = _fetch(self.location, [(self.name, s.start, s.end) for s in spans])
-        return {n: _tensor(raw, span) for n, span, raw in zip(names, spans, data, strict=True)}
+        return self._read(names, [self.spans[name] for name in names])
 
     def read_rows(self, names: Sequence[str], first: int, stop: int) -> dict[str, torch.Tensor]:
-        ranges, shapes = [], []
-        for name in names:
-            span = self.spans[name]
-            row = (span.end - span.start) // span.shape[0] if span.shape and span.shape[0] else 0
-            ranges.append((self.name, span.start + first * row, span.start + stop * row))
-            shapes.append(_Span(span.code, (stop - first, *span.shape[1:]), 0, 0))
-        data = _fetch(self.location, ranges)
-        return {n: _tensor(raw, span) for n, span, raw in zip(names, shapes, data, strict=True)}
+        return self._read(names, [row_range(self.spans[name], first, stop) for name in names])
+
+    def _read(self, names: Sequence[str], spans: list[Span]) -> dict[str, torch.Tensor]:
+        data = _fetch(self.location, [(self.name, span.start, span.end) for span in spans])
+        return {n: to_tensor(raw, span) for n, span, raw in zip(names, spans, data, strict=True)}
 
     def crc32(self, chunk: int = 16 << 20) -> int:
         """CRC-32 of the whole object, streamed ``chunk`` bytes at a time."""
@@ -205,10 +155,11 @@ def load_headers(shards: Sequence[RemoteShard]) -> None:
         return
     location = todo[0].location
     heads = [bytes(h) for h in _fetch(location, [(s.name, 0, s._guess) for s in todo])]
-    lengths = [_header_length(location, s.name, h) for s, h in zip(todo, heads, strict=True)]
+    lengths = [header_length(h, location.url_of(s.name)) for s, h in zip(todo, heads, strict=True)]
     longer = [(s.name, len(h), 8 + n) for s, h, n in zip(todo, heads, lengths, strict=True)]
     rest = iter(_fetch(location, [r for r in longer if r[2] > r[1]]))
     for shard, head, length in zip(todo, heads, lengths, strict=True):
         if 8 + length > len(head):
             head += bytes(next(rest))
-        shard._spans = _parse_header(location, shard.name, shard.size, head[8 : 8 + length])
+        where = location.url_of(shard.name)
+        shard._spans = parse_header(head[8 : 8 + length], shard.size, where)

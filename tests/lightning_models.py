@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from tests.conftest import Counter, RowLinear, hook_count
 
@@ -76,6 +77,41 @@ def dataset(n: int = 20, seed: int = 0) -> TensorDataset:
 
 def loader(n: int = 20, batch_size: int = 6, seed: int = 0) -> DataLoader:
     return DataLoader(dataset(n, seed), batch_size=batch_size)
+
+
+ID_STEP = 10**12  # document ids far apart, as a corpus keyed by id has them
+
+
+class DocumentIds(Dataset):
+    """``dataset(n)``'s rows keyed by document id ``k * step`` (a map-style dataset that
+    ``len`` does not bound): item ``k * step`` is ``(row k, k * step)``."""
+
+    def __init__(self, n: int, step: int = ID_STEP) -> None:
+        self.rows, self.step = dataset(n).tensors[0], step
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, doc_id: int) -> tuple[torch.Tensor, int]:
+        return self.rows[doc_id // self.step], doc_id
+
+
+class IdSampler(Sampler[int]):
+    """The ids of a :class:`DocumentIds`, in order."""
+
+    def __init__(self, data: DocumentIds) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(0, len(self.data) * self.data.step, self.data.step))
+
+
+def document_loader(n: int, batch_size: int) -> DataLoader:
+    data = DocumentIds(n)
+    return DataLoader(data, batch_size=batch_size, sampler=IdSampler(data))
 
 
 def trainer(callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:

@@ -7,7 +7,8 @@ PATH may be a URL (``s3://bucket/run``) with ``--storage-options JSON``.
 ``--kill-at-batch K`` SIGKILLs the process inside predict_step of batch K (after the
 writer thread had time to commit earlier shards); ``--log FILE`` appends the dataset
 indices of every batch actually computed; ``--fsize-limit BYTES`` sets RLIMIT_FSIZE (a
-full disk) when batch ``--fsize-limit-at-batch`` starts.
+full disk) when batch ``--fsize-limit-at-batch`` starts; ``--document-ids`` keys the samples
+by ids ``10**12`` apart (``tests.lightning_models.DocumentIds``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_iocatch import FeatureWriter, IOCaptureCallback
-from tests.lightning_models import TinyModule, TinyNet, loader
+from tests.lightning_models import TinyModule, TinyNet, document_loader, loader
 
 
 class DumpModule(TinyModule):
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--fsize-limit", type=int, default=None)
     parser.add_argument("--fsize-limit-at-batch", type=int, default=None)
     parser.add_argument("--storage-options", type=json.loads, default=None)  # for a URL path
+    parser.add_argument("--document-ids", action="store_true")  # ids 10**12 apart
     args = parser.parse_args()
     torch.manual_seed(0)
     module = DumpModule(args)
@@ -84,7 +86,8 @@ def main() -> None:
         enable_checkpointing=False,
         callbacks=[callback],
     )
-    trainer.predict(module, loader(args.n, args.batch_size), return_predictions=False)
+    data = (document_loader if args.document_ids else loader)(args.n, args.batch_size)
+    trainer.predict(module, data, return_predictions=False)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -40,7 +41,16 @@ from lightning_iocatch import (
 from lightning_iocatch.probes import ActivationStats
 from lightning_iocatch.store.backends.local_records import read_ledgers
 from lightning_iocatch.store.names import INDEX_KEY, is_store_file
-from tests.lightning_models import TinyModule, TinyNet, dataset, manual_outputs, trainer
+from lightning_iocatch.store.plan import prepare_store
+from tests.lightning_models import (
+    ID_STEP,
+    TinyModule,
+    TinyNet,
+    dataset,
+    document_loader,
+    manual_outputs,
+    trainer,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:predict returned None")  # skipped batches
 
@@ -122,22 +132,36 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_weights(tmp_path_factory.mktemp("weights"))
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory: pytest.TempPathFactory, weights: Path) -> Path:
+def killed_dump(path: Path, weights: Path, *options: str) -> Path:
     """A one-process dump SIGKILLed at batch 9 of 15 (batches of 4)."""
-    path = tmp_path_factory.mktemp("killed") / "store"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DUMP_WEIGHTS": str(weights)}
     script = ROOT / "tests/scripts/dump_features.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(path), "--kill-at-batch", "9"],
+        [sys.executable, str(script), str(path), "--kill-at-batch", "9", *options],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    return path
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory, weights: Path) -> Path:
+    path = killed_dump(tmp_path_factory.mktemp("killed") / "store", weights)
     committed = FeatureStore(path).indices.tolist()
     assert 0 < len(committed) < N and committed == list(range(len(committed)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def killed_documents(tmp_path_factory: pytest.TempPathFactory, weights: Path) -> Path:
+    """The same dump of samples keyed by document ids 10**12 apart."""
+    path = tmp_path_factory.mktemp("killed-documents") / "store"
+    killed_dump(path, weights, "--document-ids")
+    committed = FeatureStore(path).indices.tolist()
+    assert 0 < len(committed) < N and committed == [k * ID_STEP for k in range(len(committed))]
     return path
 
 
@@ -446,6 +470,7 @@ def ddp_main(out: Path, weights: Path) -> None:
     real_list, real_read = local._list_dir, local.LocalBackend.read_info
 
     def run(name: str, mode: str = "create", batch_size: int = 4, **patch: Any) -> None:
+        data = document_loader(N, batch_size) if patch.get("documents") else None
         local._list_dir = patch.get("list_dir", {}).get(rank, real_list)  # type: ignore[assignment]
         local.LocalBackend.read_info = patch.get("read", {}).get(rank, real_read)  # type: ignore[method-assign]
         start = time.monotonic()
@@ -455,7 +480,8 @@ def ddp_main(out: Path, weights: Path) -> None:
             fit = trainer([IOCaptureCallback(SPEC, writer=writer)], devices=2, strategy="ddp")
             module = Dump(weights, kill_at_batch=patch.get("kill_at_batch"))
             error = None
-            fit.predict(module, indexed_loader(batch_size), return_predictions=False)
+            data = data or indexed_loader(batch_size)
+            fit.predict(module, data, return_predictions=False)
         except StoreError as raised:
             error = str(raised)
         finally:
@@ -468,14 +494,18 @@ def ddp_main(out: Path, weights: Path) -> None:
     run("stray-on-rank0", list_dir={0: sees_a_stray_file})
     run("blind-rank1", read={1: cannot_read})
     run("resumed", mode="resume", batch_size=5)  # the parent put a killed store there
+    run("documents-resumed", mode="resume", batch_size=5, documents=True)  # and another
     os.environ["IOCATCH_TEST_RANK1_PID"] = (out / "pid-rank1").read_text()
     run("killed", kill_at_batch=4)
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory: pytest.TempPathFactory, weights: Path, killed: Path) -> Path:
+def ddp(
+    tmp_path_factory: pytest.TempPathFactory, weights: Path, killed: Path, killed_documents: Path
+) -> Path:
     out = tmp_path_factory.mktemp("ddp")
     shutil.copytree(killed, out / "resumed", symlinks=True)
+    shutil.copytree(killed_documents, out / "documents-resumed", symlinks=True)
     result = subprocess.run(
         [sys.executable, __file__, str(out), str(weights)],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -532,6 +562,30 @@ def test_a_one_process_kill_resumed_by_two_processes(ddp: Path, weights: Path) -
 
 
 @pytest.mark.slow
+def test_document_ids_far_apart_killed_and_resumed_by_two_processes_are_each_stored_once(
+    ddp: Path, weights: Path
+) -> None:
+    """Ids 10**12 apart: before, the committed set was a bit per index up to the largest
+    (about 7 TB here: ``MemoryError``), broadcast to every rank. One process killed at
+    batch 9 of 15 (batches of 4), resumed by two in batches of 5: every document once, with
+    its own rows; the plan a resume broadcasts is one interval, whatever the ids."""
+    path = ddp / "documents-resumed"
+    assert [o["error"] for o in outcomes(ddp, "documents-resumed")] == [None, None]
+    store = FeatureStore(path)
+    ids = [k * ID_STEP for k in range(N)]
+    assert store.indices.tolist() == ids and store.duplicated_indices() == []
+    assert store.missing_ranges(ids[-1] + 1) == [
+        (a + 1, a + ID_STEP) for a in ids[:-1]
+    ]  # one gap between two documents, not ID_STEP flags
+    for key, rows in truth(weights).items():
+        assert torch.equal(store[key], rows), key
+    assert store.metadata["ranks"] == [0, 1]
+    settings = {name: store.metadata[name] for name in ("spec", "stage", "dtype", "tokens")}
+    plan = prepare_store(path, "resume", settings)
+    assert plan.committed[0].ranges().tolist() == [[i, i] for i in ids]
+    assert len(pickle.dumps(plan.committed)) < 2048
+
+
 def test_a_two_process_kill_resumed_by_one_process(
     ddp: Path, weights: Path, tmp_path: Path
 ) -> None:

@@ -82,9 +82,12 @@ class FeatureWriter(CaptureSink):
             gets token rows in predict.
         storage_options: fsspec options for a URL ``path`` (credentials, endpoint, ...),
             passed through as they are.
+        shards_in_flight: shards written at once: uploads kept going on object storage
+            (default 4), one at a time on disk (default 1).
 
-    Memory: the writer holds at most one shard (``max_shard_bytes`` plus the batch that
-    fills it) and ``queue_size + 1`` more batches, whatever the speed of the disk.
+    Memory: the writer holds at most ``shards_in_flight`` shards being written and one
+    being filled (each ``max_shard_bytes`` plus the batch that fills it), and
+    ``queue_size + 1`` more batches, whatever the speed of the disk or the network.
 
     Each dataset index is written once: rows already committed (``mode="resume"``) or
     already written are dropped, the rest of their batch is written. A tensor with a row
@@ -125,6 +128,7 @@ class FeatureWriter(CaptureSink):
         stage: str = "predict",
         tokens: TokenRows | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        shards_in_flight: int | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
@@ -141,6 +145,11 @@ class FeatureWriter(CaptureSink):
         if self.dtype is not None and self.dtype not in STORABLE_DTYPES:
             raise ValueError(f"`dtype` {dtype!r} is a dtype safetensors cannot store")
         self.queue_size = check_int("queue_size", queue_size, minimum=1)
+        self.shards_in_flight = (
+            None
+            if shards_in_flight is None
+            else check_int("shards_in_flight", shards_in_flight, minimum=1)
+        )
         self.durable = check_bool("durable", durable)
         self.stage = stage
         if tokens is not None and not isinstance(tokens, TokenRows):
@@ -206,6 +215,7 @@ class FeatureWriter(CaptureSink):
                 plan=self._plan(trainer),
                 max_shard_bytes=self.max_shard_bytes,
                 queue_size=self.queue_size,
+                shards_in_flight=self.shards_in_flight,
                 durable=self.durable,
                 dtype=self.dtype,
             )

@@ -30,7 +30,7 @@ from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.names import ledger_rank, shard_name, shard_rank_and_seq
 from lightning_iocatch.store.records import ShardRecord, parse_record
 
-__all__ = ["LedgerEntry", "LedgerScan", "read_commit_record", "scan_ledger"]
+__all__ = ["LedgerEntry", "LedgerScan", "read_commit_record", "record_line", "scan_ledger"]
 
 _JSON = json.JSONDecoder()
 
@@ -117,6 +117,11 @@ def _utf8_problem(raw: bytes) -> str | None:
 
 
 # Checksums of shards
+
+
+def record_line(record: ShardRecord) -> bytes:
+    """The bytes that commit ``record``: a ledger line, a commit record, a manifest's line."""
+    return (record.to_json() + "\n").encode("ascii")
 
 
 def read_commit_record(

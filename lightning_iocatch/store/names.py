@@ -6,6 +6,8 @@ A store is a directory (or a prefix on object storage)::
     shard-r{rank}-{seq}.safetensors captured tensors: "b{j}/{key}" and "b{j}/__index__"
     ledger-r{rank}.jsonl            one JSON line per complete shard, appended after it (on disk)
     commits/r{rank}-{seq}.json      the record of one complete shard (on object storage)
+    commits/r{rank}-{first}-{last}.jsonl  the records of a rank's shards first..last, one
+                                    per line (on object storage: read in one request)
 
 A shard counts only once its record is written: a ledger line (see
 :mod:`lightning_iocatch.store.commits`) or a commit record. Anything else (a ``.tmp`` file, a
@@ -38,11 +40,14 @@ __all__ = [
     "check_store_json",
     "commit_name",
     "commit_rank_and_seq",
+    "is_commit_point",
     "is_own_object",
     "is_serializer_temp",
     "is_store_file",
     "ledger_name",
     "ledger_rank",
+    "manifest_name",
+    "manifest_span",
     "shard_name",
     "shard_rank_and_seq",
 ]
@@ -129,13 +134,40 @@ def commit_rank_and_seq(name: str) -> tuple[int, int] | None:
     return (rank, seq) if commit_name(rank, seq) == name else None
 
 
+_MANIFEST = re.compile(r"commits/r([0-9]{3,})-([0-9]{6,})-([0-9]{6,})\.jsonl", re.ASCII)
+
+
+def manifest_name(rank: int, first: int, last: int) -> str:
+    """The name of the manifest of a rank's shards ``first`` to ``last``: their commit
+    records, one per line, so that a reader gets them in one request."""
+    return f"{COMMITS}/r{rank:03d}-{first:06d}-{last:06d}.jsonl"
+
+
+def manifest_span(name: str) -> tuple[int, int, int] | None:
+    """``(rank, first, last)`` of a manifest's name, else ``None``."""
+    match = _MANIFEST.fullmatch(name)
+    if match is None:
+        return None
+    rank, first, last = (int(group) for group in match.groups())
+    ok = first <= last and manifest_name(rank, first, last) == name
+    return (rank, first, last) if ok else None
+
+
+def is_commit_point(name: str) -> bool:
+    """True for a ledger, a commit record or a manifest: what makes a shard count."""
+    return (
+        commit_rank_and_seq(name) is not None
+        or manifest_span(name) is not None
+        or ledger_rank(name) is not None
+    )
+
+
 def is_own_object(name: str) -> bool:
     """True for every name a store writes on object storage (relative to its prefix)."""
     return (
         name == STORE_FILE
         or shard_rank_and_seq(name.removesuffix(".tmp")) is not None
-        or commit_rank_and_seq(name) is not None
-        or ledger_rank(name) is not None
+        or is_commit_point(name)
     )
 
 

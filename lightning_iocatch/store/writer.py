@@ -8,9 +8,17 @@ and keys are written is :mod:`lightning_iocatch.store.exactly_once`'s decision; 
 
 The writer's own rules:
 
-- **Memory.** The writer holds at most one shard (``max_shard_bytes`` plus the batch that
-  fills it) and ``queue_size + 1`` more batches (those queued and the one being handed
-  over). A shard is written straight from the tensors, with no serialized copy.
+- **Memory.** The writer holds at most ``shards_in_flight`` shards being written, and one
+  being filled (each ``max_shard_bytes`` plus the batch that fills it), and
+  ``queue_size + 1`` more batches (those queued and the one being handed over). A shard
+  is written straight from the tensors, with no serialized copy (an upload holds one
+  block of its filesystem's buffer besides: s3fs's ``default_block_size``).
+- **Shards in flight.** On object storage, where a request waits on the network,
+  ``shards_in_flight`` shards (default 4) are uploaded at once, each committed by its own
+  record once its upload completes: a shard committed before an earlier one of its rank
+  is fine, since each counts alone, and a resume redoes the rows of those not committed.
+  On disk, one at a time (default 1). A writer that closes having committed every shard
+  gathers their records into one manifest (see :mod:`~.backends.manifests`).
 - **Failures.** The writer thread catches every exception and hands it to the calling
   thread, which raises it as a :class:`~lightning_iocatch.StoreError` at its next call;
   :meth:`ShardWriter.abort` drops what is not committed and stops within one chunk write.
@@ -24,15 +32,17 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import IO, Any
 
 import torch
 
+from lightning_iocatch.checks import check_int
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.exactly_once import RowSelector, SelectedBatch
+from lightning_iocatch.store.in_flight import ShardsInFlight
 from lightning_iocatch.store.names import FORMAT, INDEX_KEY, shard_name
 from lightning_iocatch.store.plan import StorePlan
 from lightning_iocatch.store.records import ShardRecord
@@ -97,6 +107,8 @@ class ShardWriter:
         durable: fsync each shard and the directory before its ledger line is written
             (local stores; on object storage a completed upload is durable).
         dtype: cast floating tensors to this dtype for storage.
+        shards_in_flight: shards written at once (default: 4 on object storage, 1 on disk);
+            the memory bound grows with it (see the module docstring).
         storage_options: fsspec options for a URL ``path`` (credentials, endpoint).
 
     The thread starts with the first batch. Call :meth:`close` at the end (it writes what
@@ -129,10 +141,13 @@ class ShardWriter:
         durable: bool = True,
         dtype: torch.dtype | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        shards_in_flight: int | None = None,
     ) -> None:
         if sys.byteorder != "little":
             raise StoreError("the feature store format is little-endian; this machine is not")
         self.backend = open_backend(path, storage_options)
+        in_flight = self.backend.shards_in_flight if shards_in_flight is None else shards_in_flight
+        self.shards_in_flight = check_int("shards_in_flight", in_flight, minimum=1)
         self.path = self.backend.path  # a local directory, or an ObjectLocation
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
@@ -146,6 +161,8 @@ class ShardWriter:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._error: BaseException | None = None
+        self._counts = threading.Lock()  # what several threads note of the shards they commit
+        self._committed: list[ShardRecord] = []
         self.rows_written = 0
         self.bytes_written = 0
 
@@ -269,6 +286,7 @@ class ShardWriter:
 
     def _run(self) -> None:
         pending: list[SelectedBatch] = []
+        shards = ShardsInFlight(self.shards_in_flight, f"iocatch-upload-r{self.rank}")
         try:
             size = 0
             while True:
@@ -278,22 +296,29 @@ class ShardWriter:
                 if self._cancel.is_set() or not isinstance(item, SelectedBatch):
                     continue
                 if pending and self._dtype_changes(pending, item):
-                    self._write_shard(pending)
+                    shards.write(self._write_shard(pending))
                     pending, size = [], 0
                 pending.append(item)
                 size += item.nbytes
                 del item  # only ``pending`` holds the batch from here
                 if size >= self.max_shard_bytes:
-                    self._write_shard(pending)
+                    shards.write(self._write_shard(pending))
                     pending, size = [], 0
             if pending and not self._cancel.is_set():
-                self._write_shard(pending)
+                shards.write(self._write_shard(pending))
+            pending = []
+            shards.finish()
+            if not self._cancel.is_set():  # every shard committed: one record of them all
+                self.backend.compact(self._committed)
         except _Cancelled:
             pass
         except BaseException as error:  # handed to the calling thread by _raise_error
             self._error = error
+            self._cancel.set()  # shards still in flight stop at their next chunk
         finally:
             pending.clear()
+            with contextlib.suppress(BaseException):
+                shards.finish()  # never leaves a thread writing behind
             with contextlib.suppress(queue.Empty):  # free what waits, release a blocked put
                 while True:
                     self._queue.get_nowait()
@@ -305,18 +330,26 @@ class ShardWriter:
         dtypes = {key: tensor.dtype for batch in pending for key, tensor in batch.tensors.items()}
         return any(dtypes.get(key, t.dtype) != t.dtype for key, t in item.tensors.items())
 
-    def _write_shard(self, batches: list[SelectedBatch]) -> None:
-        """The shard, then its record: the commit point (see :mod:`~.backends.base`)."""
+    def _write_shard(self, batches: list[SelectedBatch]) -> Callable[[], None]:
+        """The shard's sequence number, now; its writing, then its record (the commit point,
+        see :mod:`~.backends.base`), when the returned function is called."""
         name = shard_name(self.rank, self._next_seq)
-        crc, size = self.backend.write_shard(
-            name,
-            lambda handle: _serialize(handle, batches, self.rank, self._cancel),
-            durable=self.durable,
-        )
-        self.backend.commit(_record(name, self.rank, crc, size, batches), durable=self.durable)
         self._next_seq += 1
-        self.rows_written += sum(batch.record.rows for batch in batches)
-        self.bytes_written += size
+
+        def write() -> None:
+            crc, size = self.backend.write_shard(
+                name,
+                lambda handle: _serialize(handle, batches, self.rank, self._cancel),
+                durable=self.durable,
+            )
+            record = _record(name, self.rank, crc, size, batches)
+            self.backend.commit(record, durable=self.durable)
+            with self._counts:
+                self._committed.append(record)
+                self.rows_written += sum(batch.record.rows for batch in batches)
+                self.bytes_written += size
+
+        return write
 
 
 def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBatch]) -> ShardRecord:

@@ -127,7 +127,9 @@ def test_a_store_on_object_storage_reads_like_the_same_store_on_disk(
         assert stored[record.file] == (tmp_path / "local" / record.file).read_bytes()
         name = f"commits/r000-{int(record.file[-18:-12]):06d}.json"
         assert stored[name].decode() == record.to_json() + "\n"
-    assert set(stored) == {"store.json"} | {r.file for r in records} | {
+    manifest = f"commits/r000-000000-{len(records) - 1:06d}.jsonl"  # the writer's, at close
+    assert stored[manifest] == b"".join(stored[f"commits/r000-{i:06d}.json"] for i in range(4))
+    assert set(stored) == {"store.json", manifest} | {r.file for r in records} | {
         f"commits/r000-{i:06d}.json" for i in range(len(records))
     }
     # The training reader streams the same batches, in the same order
@@ -143,6 +145,14 @@ def test_a_store_on_object_storage_reads_like_the_same_store_on_disk(
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def killed_before_its_manifest(url: str) -> None:
+    """Delete the manifests: what a dump killed before its writer closed leaves."""
+    location = object_location(url)
+    for name in objects(url):
+        if name.endswith(".jsonl"):
+            location.fs.rm_file(location.path(name))
+
+
 def test_a_shard_without_its_commit_record_does_not_exist_and_resume_deletes_only_it(
     url: str,
 ) -> None:
@@ -150,6 +160,7 @@ def test_a_shard_without_its_commit_record_does_not_exist_and_resume_deletes_onl
     dump(url, data[:4])  # indices 0..15, a shard (300 bytes) per two batches
     location = object_location(url)
     fs = location.fs
+    killed_before_its_manifest(url)
     last = sorted(name for name in objects(url) if name.startswith("commits/"))[-1]
     fs.rm(location.path(last))  # killed between the shard upload and its commit record
     fs.pipe_file(location.path("notes.txt"), b"mine")
@@ -166,9 +177,14 @@ def test_a_shard_without_its_commit_record_does_not_exist_and_resume_deletes_onl
     store = FeatureStore(url)
     assert store.indices.tolist() == list(range(N)) and store.duplicated_indices() == []
     assert torch.equal(store["h/outputs"], torch.cat([t["h/outputs"] for _, t in data]))
-    commits = sorted(name for name in left if name.startswith("commits/r"))
+    commits = sorted(name for name in left if name.startswith("commits/r") and "json" in name)
     shards = sorted(name for name in left if name.startswith("shard-r000"))
-    assert [c[9:19] for c in commits] == [s[7:17] for s in shards]  # one record per shard
+    assert [c[9:19] for c in commits if c.endswith(".json")] == [s[7:17] for s in shards]
+    # the resume gathered the killed run's records (0), the resumed writer its own (1..4)
+    assert [c for c in commits if c.endswith(".jsonl")] == [
+        "commits/r000-000000-000000.jsonl",
+        f"commits/r000-000001-{len(shards) - 1:06d}.jsonl",
+    ]
 
 
 def test_opening_reads_headers_and_a_key_reads_only_its_tensors() -> None:
@@ -274,6 +290,7 @@ def test_objects_a_delete_left_behind_are_an_error_not_an_old_store(url: str) ->
     with pytest.raises(StoreError, match=rf"{left} .*missing s3:DeleteObject permission"):
         dump(quiet, batches()[:1], mode="overwrite")
     assert objects(url) == before  # nothing written over the old store
+    killed_before_its_manifest(url)
     location.fs.rm_file(location.path("commits/r000-000001.json"))  # its shard: uncommitted
     with pytest.raises(StoreError, match=r"still there .*: shard-r000-000001.safetensors;"):
         dump(quiet, batches(), mode="resume")
@@ -338,4 +355,25 @@ def test_a_url_holding_the_word_bucket_without_a_store_is_not_a_store() -> None:
     """Before: "create the bucket first", chosen by the word "bucket" in the message."""
     url = f"memory://my-bucket-{uuid.uuid4().hex[:8]}/bucket-runs/a"
     with pytest.raises(StoreError, match=rf"^{url} is not a feature store: it has no store"):
+        FeatureStore(url)
+
+
+def test_a_manifest_that_disagrees_with_the_commit_records_is_damage(url: str) -> None:
+    """A writer that closes gathers its commit records into a manifest, which a reader
+    fetches instead of them; a manifest is trusted only where the listing shows each of
+    its records at the size of its line, and its lines carry their own checksums."""
+    dump(url, batches()[:4])
+    location = object_location(url)
+    manifest = next(name for name in objects(url) if name.endswith(".jsonl"))
+    record = location.path("commits/r000-000001.json")
+    kept = location.fs.cat_file(record)
+    location.fs.pipe_file(record, b"{}\n")
+    changed = rf"{manifest} line 2 records shard-r000-000001.safetensors, but its commit record"
+    with pytest.raises(StoreError, match=rf"{changed} .*r000-000001.json is 3 bytes"):
+        FeatureStore(url)
+    location.fs.pipe_file(record, kept)
+    raw = bytearray(location.fs.cat_file(location.path(manifest)))
+    raw[raw.index(b'"rows":') + 7] ^= 0x01  # a digit of the first batch's rows
+    location.fs.pipe_file(location.path(manifest), bytes(raw))
+    with pytest.raises(StoreError, match=rf"{manifest} line 1 is damaged: its record_crc32"):
         FeatureStore(url)

@@ -117,6 +117,8 @@ class StoreBackend(ABC):
     """How messages say where the store's bytes are: ``"on disk"``, ``"under the prefix"``."""
     commit_point: str
     """What commits a shard here: ``"ledger line"``, ``"commit record"``."""
+    shards_in_flight: int = 1
+    """How many shards a writer writes at once here by default."""
 
     # store.json
 
@@ -164,6 +166,11 @@ class StoreBackend(ABC):
     @abstractmethod
     def commit(self, record: ShardRecord, *, durable: bool) -> None:
         """Commit ``record``'s shard: from here on it counts."""
+
+    @abstractmethod
+    def compact(self, records: Sequence[ShardRecord]) -> None:
+        """Gather the records of shards committed by one writer, so that a reader reads
+        them at once (object storage: manifests); nothing where they already are (a ledger)."""
 
     # Cleaning
 

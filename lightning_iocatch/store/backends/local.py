@@ -254,6 +254,9 @@ class LocalBackend(StoreBackend):
                 f"be: {error}"
             ) from error
 
+    def compact(self, records: Sequence[ShardRecord]) -> None:
+        """Nothing: a rank's ledger already holds its records in one file."""
+
     # Cleaning
 
     def clear(self, names: Mapping[str, int]) -> None:

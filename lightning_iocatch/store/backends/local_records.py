@@ -20,8 +20,13 @@ from lightning_iocatch.store.backends.local_files import (
     open_own_file,
     read_store_json,
 )
-from lightning_iocatch.store.commits import LedgerEntry, read_commit_record, scan_ledger
-from lightning_iocatch.store.names import COMMITS, commit_rank_and_seq, ledger_rank
+from lightning_iocatch.store.commits import (
+    LedgerEntry,
+    read_commit_record,
+    record_line,
+    scan_ledger,
+)
+from lightning_iocatch.store.names import COMMITS, commit_rank_and_seq, is_commit_point, ledger_rank
 from lightning_iocatch.store.records import ShardRecord, format_version
 from lightning_iocatch.store.shard_file import write_all
 
@@ -44,7 +49,7 @@ def append_ledger(path: Path, record: ShardRecord) -> None:
     root = path.parent
     created = not os.path.lexists(path)
     with open_own_file(root, path.name, "ab") as handle:
-        write_all(handle, (record.to_json() + "\n").encode("ascii"))
+        write_all(handle, record_line(record))
         os.fsync(handle.fileno())
     if created:
         fsync_dir(root)
@@ -158,7 +163,7 @@ def delete_commit_files(path: Path) -> None:
     if folder.is_symlink() or not folder.is_dir():
         return  # a link is never followed for writing; reading it is refused
     for name in os.listdir(folder):
-        if commit_rank_and_seq(f"{COMMITS}/{name}") is not None:
+        if is_commit_point(f"{COMMITS}/{name}"):  # commit records and manifests
             (folder / name).unlink()
     with contextlib.suppress(OSError):  # holding other files: kept
         folder.rmdir()

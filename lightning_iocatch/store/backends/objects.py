@@ -45,13 +45,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Committed, Shard, StoreBackend, Write
+from lightning_iocatch.store.backends.manifests import (
+    check_against_records,
+    manifest,
+    read_manifest,
+    runs,
+)
 from lightning_iocatch.store.backends.object_location import (
     ObjectLocation,
     is_missing_bucket,
@@ -60,14 +66,21 @@ from lightning_iocatch.store.backends.object_location import (
     remote_request,
 )
 from lightning_iocatch.store.backends.ranged_reads import open_remote_shards
-from lightning_iocatch.store.commits import LedgerEntry, read_commit_record, scan_ledger
+from lightning_iocatch.store.commits import (
+    LedgerEntry,
+    read_commit_record,
+    record_line,
+    scan_ledger,
+)
 from lightning_iocatch.store.names import (
     STORE_FILE,
     check_store_json,
     commit_name,
     commit_rank_and_seq,
+    is_commit_point,
     is_own_object,
     ledger_rank,
+    manifest_span,
     shard_rank_and_seq,
 )
 from lightning_iocatch.store.records import ShardRecord, format_version
@@ -177,23 +190,60 @@ def commit_shard(location: ObjectLocation, record: ShardRecord) -> None:
     named = shard_rank_and_seq(record.file)
     if named is None:
         raise StoreError(f"{record.file!r} is not a shard name")
-    write_object(location, commit_name(*named), (record.to_json() + "\n").encode("ascii"))
+    write_object(location, commit_name(*named), record_line(record))
 
 
 def read_commit_entries(
     location: ObjectLocation, listing: dict[str, int], *, store_format: str
 ) -> list[LedgerEntry]:
-    """The record of every committed shard, by rank then sequence number: its commit record,
-    or its line in a ledger object (a store written on disk and copied here).
+    """The record of every committed shard, by rank then sequence number: from a manifest
+    (see :mod:`~.manifests`), its commit record, or its line in a ledger object (a store
+    written on disk and copied here).
 
     ``listing`` is :func:`list_objects`' answer, ``store_format`` that of ``store.json``
     (ledger lines of format ``/1`` carry no checksum); every object is fetched by its exact
-    name, concurrently where the filesystem can. Damage raises a :class:`StoreError`
-    naming the object (and the ledger line).
+    name, concurrently where the filesystem can, and a commit record a manifest holds is
+    not fetched. Damage raises a :class:`StoreError` naming the object (and the line).
     """
-    commits = sorted((n, name) for name in listing if (n := commit_rank_and_seq(name)) is not None)
+    manifests = sorted((span, name) for name in listing if (span := manifest_span(name)))
+    held: dict[tuple[int, int], str] = {}
+    for (rank, first, last), name in manifests:
+        held.update(dict.fromkeys(((rank, seq) for seq in range(first, last + 1)), name))
+    commits = sorted(
+        (n, name)
+        for name in listing
+        if (n := commit_rank_and_seq(name)) is not None and n not in held
+    )
     ledgers = sorted(name for name in listing if ledger_rank(name) is not None)
-    names = [name for _, name in commits] + ledgers
+    names = [name for _, name in manifests] + [name for _, name in commits] + ledgers
+    fetched = iter(_fetch_whole(location, names))
+    version = format_version(store_format)
+    entries: dict[tuple[int, int], LedgerEntry] = {}
+    for span, name in manifests:
+        where = location.url_of(name)
+        lines = read_manifest(where, span, next(fetched), version)
+        check_against_records(lines, listing, location.url_of)
+        for entry, _ in lines:
+            named = (span[0], entry.line - 1 + span[1])
+            if named in entries and entries[named].record != entry.record:
+                raise StoreError(f"{entries[named].where} and {entry.where} disagree: damaged")
+            entries[named] = entry
+    for named, name in commits:
+        entries[named] = read_commit_record(location.url_of(name), named, next(fetched), version)
+    every = list(entries.values())
+    for name in ledgers:
+        data = next(fetched)
+        path = Path(location.path(name))  # the scan names it in messages: give the URL
+        try:
+            scanned = scan_ledger(path, data, version=version).entries
+        except StoreError as error:
+            raise StoreError(str(error).replace(str(path), location.url_of(name), 1)) from error
+        every += [LedgerEntry(location.url_of(name), e.line, e.record) for e in scanned]
+    return sorted(every, key=lambda entry: entry.commit_order)
+
+
+def _fetch_whole(location: ObjectLocation, names: list[str]) -> list[bytes]:
+    """The bytes of each object ``names``, concurrently where the filesystem can."""
     if not names:
         return []
     paths = [location.path(name) for name in names]
@@ -205,19 +255,21 @@ def read_commit_entries(
         if not isinstance(data, bytes):
             failure = data if isinstance(data, BaseException) else OSError(repr(data))
             raise remote_error("read", location.url_of(name), failure)
-    version = format_version(store_format)
-    entries = [
-        read_commit_record(location.url_of(name), named, data, version)
-        for (named, name), data in zip(commits, fetched[: len(commits)], strict=True)
-    ]
-    for name, data in zip(ledgers, fetched[len(commits) :], strict=True):
-        path = Path(location.path(name))  # the scan names it in messages: give the URL
-        try:
-            scanned = scan_ledger(path, data, version=version).entries
-        except StoreError as error:
-            raise StoreError(str(error).replace(str(path), location.url_of(name), 1)) from error
-        entries += [LedgerEntry(location.url_of(name), e.line, e.record) for e in scanned]
-    return sorted(entries, key=lambda entry: entry.commit_order)
+    return list(fetched)
+
+
+def write_manifests(location: ObjectLocation, records: Iterable[ShardRecord]) -> None:
+    """Gather ``records`` (committed, by their commit records) into manifests, one per run
+    of consecutive shards of a rank (see :mod:`~.manifests`)."""
+    by_rank: dict[int, dict[int, ShardRecord]] = {}
+    for record in records:
+        named = shard_rank_and_seq(record.file)
+        if named is not None:
+            by_rank.setdefault(named[0], {})[named[1]] = record
+    for rank, mine in sorted(by_rank.items()):
+        for run in runs(sorted(mine)):
+            name, data = manifest(rank, [mine[seq] for seq in run])
+            write_object(location, name, data)
 
 
 def read_store_info(location: ObjectLocation) -> dict[str, Any]:
@@ -248,6 +300,7 @@ class ObjectBackend(StoreBackend):
 
     place = "under the prefix"
     commit_point = "commit record"
+    shards_in_flight = 4  # a request waits on the network: keep several uploads going
 
     def __init__(self, location: ObjectLocation) -> None:
         self.location = location
@@ -300,15 +353,21 @@ class ObjectBackend(StoreBackend):
     def clear(self, names: Mapping[str, int]) -> None:
         """``store.json`` first (a store cut short here is no store at all), then every commit
         point (then no shard counts), then the shards."""
-        points = {n for n in names if commit_rank_and_seq(n) or ledger_rank(n) is not None}
+        points = {name for name in names if is_commit_point(name)}
         delete_objects(self.location, [name for name in names if name == STORE_FILE])
         delete_objects(self.location, points)
         delete_objects(self.location, [n for n in names if n != STORE_FILE and n not in points])
 
+    def compact(self, records: Sequence[ShardRecord]) -> None:
+        """Manifests of ``records``, one per run of a rank's consecutive shards."""
+        write_manifests(self.location, records)
+
     def clean_for_resume(self, store_format: str) -> Committed:
         """Delete shard objects without a commit record (or ledger line: a store copied from
-        disk)."""
+        disk); gather the commit records no manifest holds (those of a killed run) into
+        manifests."""
         committed = self.committed(store_format)
+        write_manifests(self.location, [e.record for e in committed.entries if e.line == 0])
         listing = dict(committed.sizes or {})
         kept = {entry.record.file for entry in committed.entries}
         uncommitted = [
@@ -319,4 +378,4 @@ class ObjectBackend(StoreBackend):
         delete_objects(self.location, uncommitted)
         for name in uncommitted:
             del listing[name]
-        return Committed(committed.entries, listing)
+        return Committed(committed.entries, listing)  # manifests are not shards: sizes hold

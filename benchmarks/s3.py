@@ -42,10 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/s3_server.
 from lightning_iocatch import FeatureStore
 from lightning_iocatch.store import ShardWriter, prepare_store
 from lightning_iocatch.store.backends import ObjectBackend, open_backend
-from lightning_iocatch.store.backends.objects import (
-    list_objects,
-    read_commit_entries,
-)
+from lightning_iocatch.store.backends.object_location import list_objects
+from lightning_iocatch.store.backends.object_records import read_commit_entries
 from lightning_iocatch.store.names import FORMAT, commit_name
 from lightning_iocatch.store.records import BatchRecord, ShardRecord
 from tests.s3_server import Request, S3Server

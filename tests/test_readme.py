@@ -1,6 +1,7 @@
 """Every Python block of README.md runs, as written, so the README cannot drift from the code.
 
-Each block runs in a fresh directory with the names it uses but does not define: a small
+Each block runs in a fresh directory with the fixtures it uses but does not define (and
+nothing else: a block imports every name of the library it uses): a small
 LightningModule ``model`` (``model.layers.0..5``, ``model.head``) on 10-class data
 (``loader``, ``train_loader``, ``val_loader``), a sparse autoencoder ``sae``, an offline
 GPT-2 ``gpt2`` with ``ids``, and for token rows a Llama-style ``model`` with a
@@ -8,7 +9,6 @@ GPT-2 ``gpt2`` with ``ids``, and for token rows a Llama-style ``model`` with a
 one epoch and no logger or progress bar (a block asking for 8 GPUs runs on this machine);
 the S3 block talks to the tests' own S3 server instead of ``127.0.0.1:9000``;
 ``from lightning.pytorch import Trainer`` in a block gets the same Trainer.
-``from lightning.pytorch import Trainer`` in a block gets the same.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_iocatch
 from tests.conftest import RowLinear
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -123,9 +122,8 @@ def tokenized() -> DataLoader:
 
 
 def namespace(code: str, request: pytest.FixtureRequest) -> dict[str, Any]:
-    """The names ``code`` uses and does not define."""
+    """The fixtures ``code`` uses and does not define."""
     names: dict[str, Any] = {"Trainer": Trainer, "ModelCheckpoint": ModelCheckpoint}
-    names.update({name: getattr(lightning_iocatch, name) for name in lightning_iocatch.__all__})
     torch.manual_seed(0)
     if "tokenized_loader" in code:
         names.update(model=LanguageModel(), tokenized_loader=tokenized(), eos_id=2)

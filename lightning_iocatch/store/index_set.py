@@ -48,7 +48,9 @@ class _Intervals:
     """Closed intervals ``[first, last]`` of integers, kept as a few levels of sorted,
     disjoint, non-adjacent intervals, each level less than half the size of the one before
     it (a log-structured merge): adding ``k`` intervals costs ``O(k log n)`` over time, not a
-    merge of all ``n``, and a query asks each of the ``O(log n)`` levels."""
+    merge of all ``n``, and a query asks each of the ``O(log n)`` levels. Intervals added one
+    by one wait in a short list (merged at :data:`_PENDING`), which queries read as it is:
+    a batch at a time, adding and asking costs no array work."""
 
     def __init__(self) -> None:
         self._levels: list[tuple[np.ndarray, np.ndarray]] = []
@@ -92,8 +94,11 @@ class _Intervals:
         return self._levels[0]
 
     def contains(self, values: np.ndarray) -> np.ndarray:
-        self._flush()
         found = np.zeros(values.shape, dtype=bool)
+        if self._pending:
+            pending = np.array(self._pending, dtype=np.int64)
+            inside = (values[..., None] >= pending[:, 0]) & (values[..., None] <= pending[:, 1])
+            found |= inside.any(axis=-1)
         for starts, stops in self._levels:
             at = np.searchsorted(starts, values, side="right") - 1
             inside = at >= 0
@@ -103,8 +108,10 @@ class _Intervals:
 
     def overlap(self, first: int, last: int) -> list[tuple[int, int]]:
         """The parts of ``[first, last]`` that these intervals cover, as closed intervals."""
-        self._flush()
-        parts: list[tuple[int, int]] = []
+        parts = [
+            (max(first, a), min(last, b)) for a, b in self._pending if a <= last and b >= first
+        ]
+        sources = len(self._levels) + bool(parts)
         for starts, stops in self._levels:
             low = int(np.searchsorted(stops, first, side="left"))
             high = int(np.searchsorted(starts, last, side="right"))
@@ -112,17 +119,16 @@ class _Intervals:
                 (max(first, int(a)), min(last, int(b)))
                 for a, b in zip(starts[low:high], stops[low:high], strict=True)
             ]
-        if len(self._levels) < 2:
+        if sources < 2:
             return parts
         starts, stops = _normalize(*np.array(parts, dtype=np.int64).reshape(-1, 2).T)
         return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
     def span(self) -> tuple[int, int] | None:
         """The first and last integer covered, or ``None`` when empty."""
-        self._flush()
-        if not self._levels:
-            return None
-        return min(int(a[0]) for a, _ in self._levels), max(int(b[-1]) for _, b in self._levels)
+        firsts = [int(a[0]) for a, _ in self._levels] + [a for a, _ in self._pending]
+        lasts = [int(b[-1]) for _, b in self._levels] + [b for _, b in self._pending]
+        return (min(firsts), max(lasts)) if firsts else None
 
     def runs(self) -> int:
         return sum(level[0].size for level in self._levels) + len(self._pending)

@@ -252,7 +252,9 @@ def damage(place: Place, how: str) -> str:
         return rf"shard .*{first} is committed .*missing"
     if how == "changed record":
         raw = place.read(records[0])
-        digit = raw.index(b",", raw.index(b'"crc32":')) - 1  # the shard CRC's last digit
+        # the ledger, or the manifest that a reader reads instead of the commit records:
+        # the last digit of its first CRC-32 (the first batch's index summary)
+        digit = raw.index(b",", raw.index(b'"crc32":')) - 1
         changed = bytes([ord("0") + (raw[digit] - ord("0") + 1) % 10])
         place.write(records[0], raw[:digit] + changed + raw[digit + 1 :])
         return rf"{records[0]}.* is damaged: its record_crc32 does not match its content"

@@ -25,6 +25,7 @@ from lightning_iocatch.store.backends.local_records import read_ledgers
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.backends.object_location import ObjectLocation
 from lightning_iocatch.store.backends.objects import ObjectBackend
+from lightning_iocatch.store.names import commit_name, manifest_span
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.training import StoreRows
 from lightning_iocatch.store.writer import ShardWriter
@@ -120,18 +121,15 @@ def test_a_store_on_object_storage_reads_like_the_same_store_on_disk(
     meta_local, meta_remote = local.metadata, remote.metadata
     for field in ("keys", "per_batch", "shards", "ranks", "bytes", "rows", "format"):
         assert meta_remote[field] == meta_local[field], field
-    # The same bytes: each shard object is the local shard, each commit record its ledger line
+    # The same bytes: each shard object is the local shard; the manifest the writer wrote
+    # as it closed holds the ledger's lines (the commit records it gathered are deleted)
     stored = objects(url)
     records = read_ledgers(tmp_path / "local")
     for record in records:
         assert stored[record.file] == (tmp_path / "local" / record.file).read_bytes()
-        name = f"commits/r000-{int(record.file[-18:-12]):06d}.json"
-        assert stored[name].decode() == record.to_json() + "\n"
-    manifest = f"commits/r000-000000-{len(records) - 1:06d}.jsonl"  # the writer's, at close
-    assert stored[manifest] == b"".join(stored[f"commits/r000-{i:06d}.json"] for i in range(4))
-    assert set(stored) == {"store.json", manifest} | {r.file for r in records} | {
-        f"commits/r000-{i:06d}.json" for i in range(len(records))
-    }
+    manifest = f"commits/r000-000000-{len(records) - 1:06d}.jsonl"
+    assert stored[manifest] == (tmp_path / "local" / "ledger-r000.jsonl").read_bytes()
+    assert set(stored) == {"store.json", manifest} | {r.file for r in records}
     # The training reader streams the same batches, in the same order
     local_rows = StoreRows(
         tmp_path / "local", ["h/outputs", "h/inputs/args/0"], batch_size=7, with_indices=True
@@ -145,11 +143,24 @@ def test_a_store_on_object_storage_reads_like_the_same_store_on_disk(
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def download(url: str, directory: Path) -> Path:
+    """Every object of the store at ``url`` as a file under ``directory``."""
+    for name, raw in objects(url).items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(raw)
+    return directory
+
+
 def killed_before_its_manifest(url: str) -> None:
-    """Delete the manifests: what a dump killed before its writer closed leaves."""
+    """Turn each manifest back into the commit records it gathered: what a dump killed
+    before its writer closed leaves."""
     location = object_location(url)
-    for name in objects(url):
-        if name.endswith(".jsonl"):
+    for name, data in objects(url).items():
+        span = manifest_span(name)
+        if span is not None:
+            rank, first, _ = span
+            for seq, line in enumerate(data.splitlines(keepends=True), first):
+                location.fs.pipe_file(location.path(commit_name(rank, seq)), line)
             location.fs.rm_file(location.path(name))
 
 
@@ -177,11 +188,11 @@ def test_a_shard_without_its_commit_record_does_not_exist_and_resume_deletes_onl
     store = FeatureStore(url)
     assert store.indices.tolist() == list(range(N)) and store.duplicated_indices() == []
     assert torch.equal(store["h/outputs"], torch.cat([t["h/outputs"] for _, t in data]))
-    commits = sorted(name for name in left if name.startswith("commits/r") and "json" in name)
+    commits = sorted(name for name in left if name.startswith("commits/r"))
     shards = sorted(name for name in left if name.startswith("shard-r000"))
-    assert [c[9:19] for c in commits if c.endswith(".json")] == [s[7:17] for s in shards]
-    # the resume gathered the killed run's records (0), the resumed writer its own (1..4)
-    assert [c for c in commits if c.endswith(".jsonl")] == [
+    # the resume gathered the killed run's records (shard 0) into a manifest, the resumed
+    # writer its own (1..): one record per shard, and no commit record left on its own
+    assert commits == [
         "commits/r000-000000-000000.jsonl",
         f"commits/r000-000001-{len(shards) - 1:06d}.jsonl",
     ]
@@ -315,11 +326,13 @@ def test_a_store_copied_between_disk_and_object_storage_reads_and_resumes(
     assert all(after[name] == copied[name] for name in copied)
     store = FeatureStore(url)
     assert store.indices.tolist() == list(range(N)) and torch.equal(store["h/outputs"], want)
-    # ... and a store on object storage downloaded to disk keeps its commits/ folder
-    down = tmp_path / "down"
-    for name, raw in after.items():
-        (down / name).parent.mkdir(parents=True, exist_ok=True)
-        (down / name).write_bytes(raw)
+    # ... and a store on object storage downloaded to disk keeps its commits/ folder: the
+    # ledger copied there, the resumed writer's manifest, or a killed run's commit records
+    with_manifests = download(url, tmp_path / "with-manifests")
+    assert [p.name for p in with_manifests.glob("commits/*")] == ["r000-000002-000003.jsonl"]
+    assert FeatureStore(with_manifests, verify=True).indices.tolist() == list(range(N))
+    killed_before_its_manifest(url)
+    down = download(url, tmp_path / "down")
     store = FeatureStore(down, verify=True)
     assert store.indices.tolist() == list(range(N)) and torch.equal(store["h/outputs"], want)
     max(down.glob("commits/r*.json")).unlink()  # the last shard: uncommitted
@@ -358,22 +371,29 @@ def test_a_url_holding_the_word_bucket_without_a_store_is_not_a_store() -> None:
         FeatureStore(url)
 
 
-def test_a_manifest_that_disagrees_with_the_commit_records_is_damage(url: str) -> None:
-    """A writer that closes gathers its commit records into a manifest, which a reader
-    fetches instead of them; a manifest is trusted only where the listing shows each of
-    its records at the size of its line, and its lines carry their own checksums."""
+def test_a_manifest_is_a_commit_point_checked_like_a_record(url: str) -> None:
+    """A writer that closes gathers its commit records into a manifest and deletes them; a
+    reader fetches the manifest alone. Its lines carry their own checksums; a record a kill
+    left next to it is skipped; two manifests must agree; a shard it names that is gone is
+    named when it is first read (opening lists no shard)."""
     dump(url, batches()[:4])
     location = object_location(url)
     manifest = next(name for name in objects(url) if name.endswith(".jsonl"))
-    record = location.path("commits/r000-000001.json")
-    kept = location.fs.cat_file(record)
-    location.fs.pipe_file(record, b"{}\n")
-    changed = rf"{manifest} line 2 records shard-r000-000001.safetensors, but its commit record"
-    with pytest.raises(StoreError, match=rf"{changed} .*r000-000001.json is 3 bytes"):
-        FeatureStore(url)
-    location.fs.pipe_file(record, kept)
-    raw = bytearray(location.fs.cat_file(location.path(manifest)))
+    assert not [name for name in objects(url) if name.endswith(".json") and "commits/" in name]
+    data = location.fs.cat_file(location.path(manifest))
+    first_line = data.splitlines(keepends=True)[0]
+    location.fs.pipe_file(location.path(commit_name(0, 0)), first_line)  # left by a kill
+    assert FeatureStore(url).indices.tolist() == list(range(16))
+    location.fs.pipe_file(location.path("commits/r000-000000-000000.jsonl"), first_line)
+    assert FeatureStore(url).indices.tolist() == list(range(16))  # two that agree
+    raw = bytearray(data)
     raw[raw.index(b'"rows":') + 7] ^= 0x01  # a digit of the first batch's rows
     location.fs.pipe_file(location.path(manifest), bytes(raw))
     with pytest.raises(StoreError, match=rf"{manifest} line 1 is damaged: its record_crc32"):
         FeatureStore(url)
+    location.fs.pipe_file(location.path(manifest), data)
+    location.fs.rm_file(location.path("shard-r000-000001.safetensors"))
+    store = FeatureStore(url)
+    missing = rf"shard-r000-000001.safetensors is committed \(.*{manifest} line 2\) but missing"
+    with pytest.raises(StoreError, match=missing):
+        store.rows("h/outputs")

@@ -50,12 +50,13 @@ class Committed:
 
 def check_committed_shards(
     entries: Sequence[LedgerEntry],
-    size_of: Callable[[str], int | None],
+    size_of: Callable[[str], int | None] | None,
     where: Callable[[str], str],
 ) -> None:
     """Every committed shard recorded once, there, and of its recorded size; a
     :class:`StoreError` naming the shard and its record otherwise. ``size_of(name)``:
-    the shard's size, ``None`` where it is missing; ``where(name)``: its path or URL."""
+    the shard's size, ``None`` where it is missing; ``where(name)``: its path or URL.
+    Without ``size_of``, only that each is recorded once."""
     first: dict[str, LedgerEntry] = {}
     for entry in entries:
         name = entry.record.file
@@ -65,6 +66,8 @@ def check_committed_shards(
                 "the records are damaged"
             )
         first[name] = entry
+        if size_of is None:
+            continue
         size = size_of(name)
         if size is None:
             raise StoreError(f"shard {where(name)} is committed ({entry.where}) but missing")

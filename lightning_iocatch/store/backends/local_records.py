@@ -20,13 +20,19 @@ from lightning_iocatch.store.backends.local_files import (
     open_own_file,
     read_store_json,
 )
+from lightning_iocatch.store.backends.manifests import held_by_manifests, merge_entries
 from lightning_iocatch.store.commits import (
     LedgerEntry,
-    read_commit_record,
     record_line,
     scan_ledger,
 )
-from lightning_iocatch.store.names import COMMITS, commit_rank_and_seq, is_commit_point, ledger_rank
+from lightning_iocatch.store.names import (
+    COMMITS,
+    commit_rank_and_seq,
+    is_commit_point,
+    ledger_rank,
+    manifest_span,
+)
 from lightning_iocatch.store.records import ShardRecord, format_version
 from lightning_iocatch.store.shard_file import write_all
 
@@ -129,8 +135,8 @@ def file_crc32(path: Path, chunk: int = 16 << 20) -> int:
 
 
 def read_commit_files(root: Path, *, store_format: str) -> list[LedgerEntry]:
-    """The commit records in ``root/commits`` of a local store (one written on object
-    storage and downloaded), by rank then sequence number; other files there are ignored."""
+    """The commit records and manifests in ``root/commits`` of a local store (one written on
+    object storage and downloaded); other files there are ignored (see :mod:`~.manifests`)."""
     folder = root / COMMITS
     if folder.is_symlink():
         raise StoreError(
@@ -139,22 +145,34 @@ def read_commit_files(root: Path, *, store_format: str) -> list[LedgerEntry]:
         )
     if not folder.is_dir():
         return []
-    found = sorted(
+    names = os.listdir(folder)
+    manifests = sorted((span, name) for name in names if (span := _span(name)) is not None)
+    held = held_by_manifests(span for span, _ in manifests)
+    records = sorted(
         (named, name)
-        for name in os.listdir(folder)
-        if (named := commit_rank_and_seq(f"{COMMITS}/{name}")) is not None
+        for name in names
+        if (named := commit_rank_and_seq(f"{COMMITS}/{name}")) is not None and named not in held
     )
-    entries = []
-    for named, name in found:
-        path = folder / name
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as handle:
-                data = handle.read()
-        except OSError as error:
-            raise StoreError(f"cannot read commit record {path}: {error}") from error
-        entries.append(read_commit_record(str(path), named, data, format_version(store_format)))
-    return entries
+    version = format_version(store_format)
+    return merge_entries(
+        [(span, str(folder / name), _read_own(folder / name)) for span, name in manifests],
+        [(named, str(folder / name), _read_own(folder / name)) for named, name in records],
+        version,
+    )
+
+
+def _span(name: str) -> tuple[int, int, int] | None:
+    return manifest_span(f"{COMMITS}/{name}")
+
+
+def _read_own(path: Path) -> bytes:
+    """A commit file's bytes; a symbolic link is refused, never followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as handle:
+            return handle.read()
+    except OSError as error:
+        raise StoreError(f"cannot read commit record {path}: {error}") from error
 
 
 def delete_commit_files(path: Path) -> None:

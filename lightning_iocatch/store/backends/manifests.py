@@ -5,10 +5,11 @@ On object storage each shard is committed by its own commit record object
 requests to open. A manifest ``commits/r{rank}-{first}-{last}.jsonl`` holds the commit
 records of a rank's shards ``first`` to ``last``, byte for byte, one per line; it is
 written once those records are (by a writer that closes cleanly, for the shards it wrote;
-by a resume, for the records no manifest holds yet). The records stay the commit points:
-a reader takes a shard's record from a manifest only where the shard's commit record
-object is listed with the size of that line (the listing gives sizes, so this costs no
-request), and a manifest that disagrees with the records is damage, never read.
+by a resume, for the records no manifest holds yet), and the records it holds are then
+deleted: from there on the manifest's line is the shard's commit point, checked like a
+record (its own ``record_crc32``, the shard it names, one line per shard in order). A
+manifest written in one request is there whole or not at all; a kill between it and the
+deletes leaves records it repeats, which readers skip.
 
 Example:
     >>> runs([3, 4, 5, 9, 10])
@@ -17,14 +18,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.commits import LedgerEntry, read_commit_record, record_line
-from lightning_iocatch.store.names import commit_name, manifest_name, shard_rank_and_seq
+from lightning_iocatch.store.names import manifest_name, shard_rank_and_seq
 from lightning_iocatch.store.records import ShardRecord
 
-__all__ = ["check_against_records", "manifest", "read_manifest", "runs"]
+__all__ = ["held_by_manifests", "manifest", "merge_entries", "read_manifest", "runs"]
 
 
 def runs(seqs: Sequence[int]) -> list[list[int]]:
@@ -48,9 +49,9 @@ def manifest(rank: int, records: Sequence[ShardRecord]) -> tuple[str, bytes]:
 
 def read_manifest(
     where: str, span: tuple[int, int, int], data: bytes, version: int
-) -> list[tuple[LedgerEntry, int]]:
+) -> list[LedgerEntry]:
     """The entries of the manifest ``data`` of ``span`` ``(rank, first, last)`` read at
-    ``where``, each with the bytes of its line; damage is a :class:`StoreError`."""
+    ``where``; damage is a :class:`StoreError` naming it and the line."""
     rank, first, last = span
     lines = data.split(b"\n")
     if lines[-1] != b"" or len(lines) - 1 != last - first + 1:
@@ -61,26 +62,37 @@ def read_manifest(
     out = []
     for number, (seq, line) in enumerate(zip(range(first, last + 1), lines, strict=False), 1):
         entry = read_commit_record(f"{where} line {number}", (rank, seq), line, version)
-        out.append((LedgerEntry(where, number, entry.record), len(line) + 1))
+        out.append(LedgerEntry(where, number, entry.record))
     return out
 
 
-def check_against_records(
-    entries: Sequence[tuple[LedgerEntry, int]],
-    listing: Mapping[str, int],
-    url_of: Callable[[str], str],
-) -> None:
-    """Every shard a manifest holds has its commit record listed, of the size of its line;
-    a :class:`StoreError` naming both otherwise. ``url_of(name)``: a listed name's URL."""
-    for entry, size in entries:
-        name = commit_name(entry.record.rank, _seq(entry.record))
-        listed = listing.get(name)
-        if listed != size:
-            state = "missing" if listed is None else f"{listed} bytes, the line {size}"
-            raise StoreError(
-                f"{entry.where} records {entry.record.file}, but its commit record "
-                f"{url_of(name)} is {state}: the store is damaged"
-            )
+def held_by_manifests(manifests: Iterable[tuple[int, int, int]]) -> set[tuple[int, int]]:
+    """``(rank, seq)`` of every shard the manifests of these spans hold."""
+    return {(rank, seq) for rank, first, last in manifests for seq in range(first, last + 1)}
+
+
+def merge_entries(
+    manifests: Sequence[tuple[tuple[int, int, int], str, bytes]],
+    records: Sequence[tuple[tuple[int, int], str, bytes]],
+    version: int,
+) -> list[LedgerEntry]:
+    """The entries of ``manifests`` (span, where, bytes) and of the commit ``records``
+    (``(rank, seq)``, where, bytes) no manifest holds; two manifests holding one shard
+    must agree."""
+    entries: dict[tuple[int, int], LedgerEntry] = {}
+    for span, where, data in manifests:
+        for entry in read_manifest(where, span, data, version):
+            named = (span[0], span[1] + entry.line - 1)
+            if named in entries and entries[named].record != entry.record:
+                raise StoreError(
+                    f"{entries[named].where} and {entry.where} record {entry.record.file} "
+                    "differently: the store is damaged"
+                )
+            entries[named] = entry
+    for named, where, data in records:
+        if named not in entries:
+            entries[named] = read_commit_record(where, named, data, version)
+    return list(entries.values())
 
 
 def _seq(record: ShardRecord) -> int:

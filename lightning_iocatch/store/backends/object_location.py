@@ -1,5 +1,5 @@
-"""A prefix on object storage, reached through its URL's fsspec filesystem, and the errors
-of its requests.
+"""A prefix on object storage, reached through its URL's fsspec filesystem, the errors of
+its requests, and the store's objects there: listed, written and deleted by exact name.
 
 :class:`ObjectLocation` names the objects of a store's prefix and makes the filesystem
 (a new one in each process: fsspec's asynchronous filesystems, s3fs and gcsfs, cannot be
@@ -13,20 +13,25 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from lightning_iocatch.errors import StoreError
+from lightning_iocatch.store.names import is_own_object
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
 __all__ = [
     "ObjectLocation",
+    "delete_objects",
     "is_missing_bucket",
     "is_remote_failure",
+    "list_objects",
     "remote_error",
     "remote_request",
+    "write_object",
 ]
 
 
@@ -180,3 +185,68 @@ def remote_error(doing: str, where: str, error: BaseException) -> StoreError:
             "from here"
         )
     return StoreError(f"cannot {doing} {where}: {kind}: {error}")
+
+
+# The store's objects: listed, written and deleted by exact name
+
+
+def list_objects(location: ObjectLocation) -> dict[str, int]:
+    """Every object under the store's prefix: name relative to it -> size in bytes."""
+    fs = location.fs
+    with remote_request("list", location.url):
+        fs.invalidate_cache(location.root)  # another process may have written since
+        found = fs.find(location.root, detail=True)
+    prefix = location.root + "/"
+    return {
+        name: int(info.get("size") or 0)
+        for path, info in dict(found).items()
+        if path.startswith(prefix)
+        and info.get("type", "file") == "file"
+        and not _is_folder_marker(name := path[len(prefix) :], info)
+    }
+
+
+def _is_folder_marker(name: str, info: dict[str, Any]) -> bool:
+    """The empty object named ``folder/`` that the S3 console makes for a folder (or the
+    prefix's own, listed as ``""``): it is no object of a store, nor anyone's data."""
+    return (not name or name.endswith("/")) and not int(info.get("size") or 0)
+
+
+def write_object(location: ObjectLocation, name: str, data: bytes) -> None:
+    """Write the store's small object ``name`` in one request."""
+    with remote_request("write", location.url_of(name)):
+        location.fs.pipe_file(location.path(name), data)
+
+
+def delete_objects(location: ObjectLocation, names: Iterable[str], *, verify: bool = True) -> None:
+    """Delete the store's own objects ``names``, then (``verify``) list the prefix to see
+    them gone.
+
+    Each object is deleted by its exact path (``rm_file``: never ``rm``, which expands the
+    glob characters a prefix may hold), 16 requests at a time. A delete that fails quietly
+    (S3's batch delete answers 200 and a per-key AccessDenied, which s3fs ignores) leaves
+    the object listed: that raises a :class:`StoreError` naming what is left.
+    """
+    wanted = sorted({name for name in names if is_own_object(name)})
+    if not wanted:
+        return
+    fs = location.fs
+
+    def delete(name: str) -> None:
+        gone = contextlib.suppress(FileNotFoundError)  # already gone: as asked
+        with remote_request("delete", location.url_of(name)), gone:
+            fs.rm_file(location.path(name))
+
+    with ThreadPoolExecutor(min(16, len(wanted))) as pool:
+        list(pool.map(delete, wanted))  # the first failure is raised here
+    if not verify:
+        return
+    left = [name for name in wanted if name in list_objects(location)]
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        raise StoreError(
+            f"objects of the store {location.url} are still there after the filesystem "
+            f"reported them deleted: {shown}; the likely cause is a missing s3:DeleteObject "
+            "permission (S3 answers a denied batch delete with success): grant it, or "
+            "delete them yourself, and run again"
+        )

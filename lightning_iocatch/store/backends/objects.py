@@ -10,6 +10,8 @@ protocol instead. A store at a prefix holds::
     shard-r{rank:03d}-{seq:06d}.safetensors   as on disk
     commits/r{rank:03d}-{seq:06d}.json        the commit record of that shard: exactly the
                                               JSON a ledger line holds (with its record_crc32)
+    commits/r{rank:03d}-{first}-{last}.jsonl  a manifest: the commit records of a rank's
+                                              shards first..last, one per line
 
 The protocol, with every request made through the URL's fsspec filesystem:
 
@@ -19,11 +21,18 @@ The protocol, with every request made through the URL's fsspec filesystem:
 2. **Then write its commit record**, one small object in one request (a PUT is atomic on
    S3, GCS and Azure). The commit record is the commit point: a shard object without one
    does not exist. It names the shard, its size and CRC-32, its batches and keys.
-3. **Readers list** ``commits/`` and never count a shard without a commit record. A commit
-   record whose shard object is missing or of another size is damage, an error naming both.
-4. ``mode="resume"`` deletes the shard objects without a commit record (debris of a killed
+3. **Manifests.** A writer that closes having committed every shard, and a resume, gather
+   the commit records into manifests (:mod:`~.manifests`), then delete the records they
+   hold: a manifest's line is then the shard's commit point.
+4. **Readers list** ``commits/`` and the ledgers only (never the shards: a store of
+   30,000 shards opens in a few requests) and never count a shard without a commit record
+   or manifest line. A committed shard object that is missing or of another size is
+   damage, an error naming both, raised when the shard is first read (a resume, which
+   lists the whole prefix, checks them all at once).
+5. ``mode="resume"`` deletes the shard objects without a commit record (debris of a killed
    run) and continues each rank at the sequence number after its last commit;
-   ``mode="overwrite"`` deletes ``store.json``, every shard object and every commit record.
+   ``mode="overwrite"`` deletes ``store.json``, every commit record and manifest, then
+   every shard object.
    Both touch only the names above: any other object under the prefix is kept. Each object
    is deleted by its exact name (never a glob), and the prefix is listed again afterwards:
    an object still there is an error (S3 answers a batch delete without permission with
@@ -45,115 +54,37 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Committed, Shard, StoreBackend, Write
-from lightning_iocatch.store.backends.manifests import (
-    check_against_records,
-    manifest,
-    read_manifest,
-    runs,
-)
 from lightning_iocatch.store.backends.object_location import (
     ObjectLocation,
+    delete_objects,
     is_missing_bucket,
     is_remote_failure,
+    list_objects,
     remote_error,
     remote_request,
+    write_object,
+)
+from lightning_iocatch.store.backends.object_records import (
+    commit_shard,
+    list_commit_points,
+    read_commit_entries,
+    write_manifests,
 )
 from lightning_iocatch.store.backends.ranged_reads import open_remote_shards
-from lightning_iocatch.store.commits import (
-    LedgerEntry,
-    read_commit_record,
-    record_line,
-    scan_ledger,
-)
 from lightning_iocatch.store.names import (
     STORE_FILE,
     check_store_json,
-    commit_name,
-    commit_rank_and_seq,
     is_commit_point,
-    is_own_object,
-    ledger_rank,
-    manifest_span,
     shard_rank_and_seq,
 )
-from lightning_iocatch.store.records import ShardRecord, format_version
+from lightning_iocatch.store.records import ShardRecord
 
-__all__ = [
-    "ObjectBackend",
-    "commit_shard",
-    "delete_objects",
-    "list_objects",
-    "read_commit_entries",
-    "read_store_info",
-    "write_object",
-    "write_shard_object",
-]
-
-
-def list_objects(location: ObjectLocation) -> dict[str, int]:
-    """Every object under the store's prefix: name relative to it -> size in bytes."""
-    fs = location.fs
-    with remote_request("list", location.url):
-        fs.invalidate_cache(location.root)  # another process may have written since
-        found = fs.find(location.root, detail=True)
-    prefix = location.root + "/"
-    return {
-        name: int(info.get("size") or 0)
-        for path, info in dict(found).items()
-        if path.startswith(prefix)
-        and info.get("type", "file") == "file"
-        and not _is_folder_marker(name := path[len(prefix) :], info)
-    }
-
-
-def _is_folder_marker(name: str, info: dict[str, Any]) -> bool:
-    """The empty object named ``folder/`` that the S3 console makes for a folder (or the
-    prefix's own, listed as ``""``): it is no object of a store, nor anyone's data."""
-    return (not name or name.endswith("/")) and not int(info.get("size") or 0)
-
-
-def write_object(location: ObjectLocation, name: str, data: bytes) -> None:
-    """Write the store's small object ``name`` in one request."""
-    with remote_request("write", location.url_of(name)):
-        location.fs.pipe_file(location.path(name), data)
-
-
-def delete_objects(location: ObjectLocation, names: Iterable[str]) -> None:
-    """Delete the store's own objects ``names``, then list the prefix to see them gone.
-
-    Each object is deleted by its exact path (``rm_file``: never ``rm``, which expands the
-    glob characters a prefix may hold), 16 requests at a time. A delete that fails quietly
-    (S3's batch delete answers 200 and a per-key AccessDenied, which s3fs ignores) leaves
-    the object listed: that raises a :class:`StoreError` naming what is left.
-    """
-    wanted = sorted({name for name in names if is_own_object(name)})
-    if not wanted:
-        return
-    fs = location.fs
-
-    def delete(name: str) -> None:
-        gone = contextlib.suppress(FileNotFoundError)  # already gone: as asked
-        with remote_request("delete", location.url_of(name)), gone:
-            fs.rm_file(location.path(name))
-
-    with ThreadPoolExecutor(min(16, len(wanted))) as pool:
-        list(pool.map(delete, wanted))  # the first failure is raised here
-    left = [name for name in wanted if name in list_objects(location)]
-    if left:
-        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
-        raise StoreError(
-            f"objects of the store {location.url} are still there after the filesystem "
-            f"reported them deleted: {shown}; the likely cause is a missing s3:DeleteObject "
-            "permission (S3 answers a denied batch delete with success): grant it, or "
-            "delete them yourself, and run again"
-        )
+__all__ = ["ObjectBackend", "read_store_info", "write_shard_object"]
 
 
 def write_shard_object(location: ObjectLocation, name: str, write: Write) -> tuple[int, int]:
@@ -183,93 +114,6 @@ def write_shard_object(location: ObjectLocation, name: str, write: Write) -> tup
             raise remote_error("write", location.url_of(name), error) from error
         raise
     return result
-
-
-def commit_shard(location: ObjectLocation, record: ShardRecord) -> None:
-    """Write the commit record of ``record``'s shard: the shard counts from here on."""
-    named = shard_rank_and_seq(record.file)
-    if named is None:
-        raise StoreError(f"{record.file!r} is not a shard name")
-    write_object(location, commit_name(*named), record_line(record))
-
-
-def read_commit_entries(
-    location: ObjectLocation, listing: dict[str, int], *, store_format: str
-) -> list[LedgerEntry]:
-    """The record of every committed shard, by rank then sequence number: from a manifest
-    (see :mod:`~.manifests`), its commit record, or its line in a ledger object (a store
-    written on disk and copied here).
-
-    ``listing`` is :func:`list_objects`' answer, ``store_format`` that of ``store.json``
-    (ledger lines of format ``/1`` carry no checksum); every object is fetched by its exact
-    name, concurrently where the filesystem can, and a commit record a manifest holds is
-    not fetched. Damage raises a :class:`StoreError` naming the object (and the line).
-    """
-    manifests = sorted((span, name) for name in listing if (span := manifest_span(name)))
-    held: dict[tuple[int, int], str] = {}
-    for (rank, first, last), name in manifests:
-        held.update(dict.fromkeys(((rank, seq) for seq in range(first, last + 1)), name))
-    commits = sorted(
-        (n, name)
-        for name in listing
-        if (n := commit_rank_and_seq(name)) is not None and n not in held
-    )
-    ledgers = sorted(name for name in listing if ledger_rank(name) is not None)
-    names = [name for _, name in manifests] + [name for _, name in commits] + ledgers
-    fetched = iter(_fetch_whole(location, names))
-    version = format_version(store_format)
-    entries: dict[tuple[int, int], LedgerEntry] = {}
-    for span, name in manifests:
-        where = location.url_of(name)
-        lines = read_manifest(where, span, next(fetched), version)
-        check_against_records(lines, listing, location.url_of)
-        for entry, _ in lines:
-            named = (span[0], entry.line - 1 + span[1])
-            if named in entries and entries[named].record != entry.record:
-                raise StoreError(f"{entries[named].where} and {entry.where} disagree: damaged")
-            entries[named] = entry
-    for named, name in commits:
-        entries[named] = read_commit_record(location.url_of(name), named, next(fetched), version)
-    every = list(entries.values())
-    for name in ledgers:
-        data = next(fetched)
-        path = Path(location.path(name))  # the scan names it in messages: give the URL
-        try:
-            scanned = scan_ledger(path, data, version=version).entries
-        except StoreError as error:
-            raise StoreError(str(error).replace(str(path), location.url_of(name), 1)) from error
-        every += [LedgerEntry(location.url_of(name), e.line, e.record) for e in scanned]
-    return sorted(every, key=lambda entry: entry.commit_order)
-
-
-def _fetch_whole(location: ObjectLocation, names: list[str]) -> list[bytes]:
-    """The bytes of each object ``names``, concurrently where the filesystem can."""
-    if not names:
-        return []
-    paths = [location.path(name) for name in names]
-    with remote_request("read commit records in", location.url):
-        fetched = location.fs.cat_ranges(
-            paths, [None] * len(paths), [None] * len(paths), on_error="return"
-        )
-    for name, data in zip(names, fetched, strict=True):
-        if not isinstance(data, bytes):
-            failure = data if isinstance(data, BaseException) else OSError(repr(data))
-            raise remote_error("read", location.url_of(name), failure)
-    return list(fetched)
-
-
-def write_manifests(location: ObjectLocation, records: Iterable[ShardRecord]) -> None:
-    """Gather ``records`` (committed, by their commit records) into manifests, one per run
-    of consecutive shards of a rank (see :mod:`~.manifests`)."""
-    by_rank: dict[int, dict[int, ShardRecord]] = {}
-    for record in records:
-        named = shard_rank_and_seq(record.file)
-        if named is not None:
-            by_rank.setdefault(named[0], {})[named[1]] = record
-    for rank, mine in sorted(by_rank.items()):
-        for run in runs(sorted(mine)):
-            name, data = manifest(rank, [mine[seq] for seq in run])
-            write_object(location, name, data)
 
 
 def read_store_info(location: ObjectLocation) -> dict[str, Any]:
@@ -334,14 +178,15 @@ class ObjectBackend(StoreBackend):
         return list_objects(self.location)
 
     def committed(self, store_format: str) -> Committed:
-        """One listing gives the commit records and the shards' sizes."""
-        listing = list_objects(self.location)
+        """The records, from listings of ``commits/`` and of the ledgers alone: the shards
+        are not listed (a store of 30,000 shards would take 30 more pages), so their sizes
+        are checked when each is first read."""
+        listing = list_commit_points(self.location)
         entries = read_commit_entries(self.location, listing, store_format=store_format)
-        return Committed(entries, listing)
+        return Committed(entries)
 
     def open_shards(self, committed: Committed) -> dict[str, Shard]:
-        sizes = committed.sizes if committed.sizes is not None else list_objects(self.location)
-        return open_remote_shards(self.location, committed.entries, sizes)
+        return open_remote_shards(self.location, committed.entries, committed.sizes)
 
     def write_shard(self, name: str, write: Write, *, durable: bool) -> tuple[int, int]:
         """A completed upload is durable: ``durable`` changes nothing here."""
@@ -359,17 +204,18 @@ class ObjectBackend(StoreBackend):
         delete_objects(self.location, [n for n in names if n != STORE_FILE and n not in points])
 
     def compact(self, records: Sequence[ShardRecord]) -> None:
-        """Manifests of ``records``, one per run of a rank's consecutive shards."""
+        """Manifests of ``records``, one per run of a rank's consecutive shards; the commit
+        records they hold are then deleted."""
         write_manifests(self.location, records)
 
     def clean_for_resume(self, store_format: str) -> Committed:
         """Delete shard objects without a commit record (or ledger line: a store copied from
         disk); gather the commit records no manifest holds (those of a killed run) into
-        manifests."""
-        committed = self.committed(store_format)
-        write_manifests(self.location, [e.record for e in committed.entries if e.line == 0])
-        listing = dict(committed.sizes or {})
-        kept = {entry.record.file for entry in committed.entries}
+        manifests. One listing of the whole prefix gives the shards' sizes too."""
+        listing = list_objects(self.location)
+        entries = read_commit_entries(self.location, listing, store_format=store_format)
+        write_manifests(self.location, [e.record for e in entries if e.line == 0])
+        kept = {entry.record.file for entry in entries}
         uncommitted = [
             name
             for name in listing
@@ -378,4 +224,4 @@ class ObjectBackend(StoreBackend):
         delete_objects(self.location, uncommitted)
         for name in uncommitted:
             del listing[name]
-        return Committed(committed.entries, listing)  # manifests are not shards: sizes hold
+        return Committed(entries, listing)

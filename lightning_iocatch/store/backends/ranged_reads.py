@@ -92,10 +92,31 @@ class RemoteShard(Shard):
     """A committed shard object; its header is read on first use (or by
     :func:`load_headers` for many shards at once), then kept as parsed spans."""
 
-    def __init__(self, location: ObjectLocation, name: str, size: int, guess: int) -> None:
-        self.location, self.name, self.size = location, name, size
-        self._guess = min(guess, size)  # bytes that likely hold the whole header
+    def __init__(
+        self, location: ObjectLocation, entry: LedgerEntry, guess: int, checked: bool
+    ) -> None:
+        self.location, self.name = location, entry.record.file
+        self.size, self.where = entry.record.bytes, entry.where  # as its record says
+        self._guess = min(guess, self.size)  # bytes that likely hold the whole header
         self._spans: dict[str, Span] | None = None
+        self._checked = checked  # its size was seen in a listing
+
+    def check_size(self) -> None:
+        """A :class:`StoreError` unless the object is there with its recorded size."""
+        path = self.location.path(self.name)
+        try:
+            with remote_request("read", str(self)):
+                self.location.fs.invalidate_cache(path)
+                size = self.location.fs.size(path)
+        except StoreError as error:
+            if isinstance(error.__cause__, FileNotFoundError):
+                raise StoreError(f"shard {self} is committed ({self.where}) but missing") from None
+            raise
+        if size != self.size:
+            raise StoreError(
+                f"shard {self} is {size} bytes, its record says {self.size} ({self.where}): it "
+                "was truncated or replaced"
+            )
 
     def __str__(self) -> str:
         return self.location.url_of(self.name)
@@ -117,7 +138,7 @@ class RemoteShard(Shard):
         return self._read(names, [row_range(self.spans[name], first, stop) for name in names])
 
     def _read(self, names: Sequence[str], spans: list[Span]) -> dict[str, torch.Tensor]:
-        data = _fetch(self.location, [(self.name, span.start, span.end) for span in spans])
+        data = _fetch_from([self], [(self.name, span.start, span.end) for span in spans])
         return {n: to_tensor(raw, span) for n, span, raw in zip(names, spans, data, strict=True)}
 
     def crc32(self, chunk: int = 16 << 20) -> int:
@@ -134,17 +155,30 @@ class RemoteShard(Shard):
 
 
 def open_remote_shards(
-    location: ObjectLocation, entries: Sequence[LedgerEntry], sizes: Mapping[str, int]
+    location: ObjectLocation, entries: Sequence[LedgerEntry], sizes: Mapping[str, int] | None
 ) -> dict[str, Shard]:
-    """Each committed shard by name, once there with its recorded size (``sizes``: the
-    prefix's listing); nothing is requested."""
-    check_committed_shards(entries, sizes.get, location.url_of)
+    """Each committed shard by name, once there with its recorded size where ``sizes`` (a
+    listing of the prefix) are given; else that is checked when a read of it fails (a
+    missing or shorter object fails every read). Nothing is requested."""
+    check_committed_shards(entries, None if sizes is None else sizes.get, location.url_of)
     return {
-        entry.record.file: RemoteShard(
-            location, entry.record.file, entry.record.bytes, _header_guess(entry)
-        )
+        entry.record.file: RemoteShard(location, entry, _header_guess(entry), sizes is not None)
         for entry in entries
     }
+
+
+def _fetch_from(
+    shards: Sequence[RemoteShard], ranges: Sequence[tuple[str, int, int]]
+) -> list[memoryview]:
+    """:func:`_fetch` of ranges of ``shards``; a failure names a shard that is missing or
+    not of its recorded size, where one is."""
+    try:
+        return _fetch(shards[0].location, ranges)
+    except StoreError:
+        for shard in shards:
+            if not shard._checked:
+                shard.check_size()
+        raise
 
 
 def load_headers(shards: Sequence[RemoteShard]) -> None:
@@ -154,10 +188,10 @@ def load_headers(shards: Sequence[RemoteShard]) -> None:
     if not todo:
         return
     location = todo[0].location
-    heads = [bytes(h) for h in _fetch(location, [(s.name, 0, s._guess) for s in todo])]
+    heads = [bytes(h) for h in _fetch_from(todo, [(s.name, 0, s._guess) for s in todo])]
     lengths = [header_length(h, location.url_of(s.name)) for s, h in zip(todo, heads, strict=True)]
     longer = [(s.name, len(h), 8 + n) for s, h, n in zip(todo, heads, lengths, strict=True)]
-    rest = iter(_fetch(location, [r for r in longer if r[2] > r[1]]))
+    rest = iter(_fetch_from(todo, [r for r in longer if r[2] > r[1]]))
     for shard, head, length in zip(todo, heads, lengths, strict=True):
         if 8 + length > len(head):
             head += bytes(next(rest))

@@ -39,12 +39,14 @@ stops. The script checks that both dumps hold the same values and token ids.
 
   - ``iocatch``: ``StoreRows(path, key, batch_size=..., shuffle=True)`` through a
     ``DataLoader(batch_size=None)`` in the main process: stored batches in a random
-    order, rows drawn from a buffer of ``8 * batch_size`` rows;
+    order, rows shuffled within windows of 65,536 rows (its default ``shuffle_rows``),
+    each batch gathered from its shards;
   - ``hf_iterable``: the same rows as an Arrow dataset of one row per token (written from
     SAELens' dump, in as many shards as the store has stored batches),
     ``load_from_disk(...).to_iterable_dataset(num_shards=...).shuffle(seed,
     buffer_size=8 * batch_size)``, ``.iter(batch_size)``: the same kind of shuffle (shard
-    order, then a buffer of the same size), hence the counterpart doing the same work;
+    order, then rows mixed within a bounded number of rows), the counterpart doing the
+    closest work;
   - ``hf_map``: the same dataset, ``ds.shuffle(seed, keep_in_memory=True).iter(batch_size)``
     each epoch: the full permutation most users reach for first (a stronger shuffle);
     ``keep_in_memory`` keeps the permutation out of ``datasets``' cache on disk, which

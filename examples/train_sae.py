@@ -127,7 +127,7 @@ def run(
         mlp, DataLoader(data, batch_size=128), return_predictions=False
     )
 
-    activations = StoreDataModule(features, KEY, batch_size=64, buffer_rows=1024, seed=0)
+    activations = StoreDataModule(features, KEY, batch_size=64, shuffle_rows=1024, seed=0)
     sae = SparseAutoencoder(width=64, codes=codes, l1=l1, lr=3e-3)
     every_row = FeatureStore(features)[KEY]
     fvu_before, _ = fvu_and_active(sae, every_row)

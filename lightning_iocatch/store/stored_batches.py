@@ -27,6 +27,7 @@ import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Shard
+from lightning_iocatch.store.backends.safetensors_layout import Span
 from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.index_set import IndexSet
 from lightning_iocatch.store.names import INDEX_KEY
@@ -85,6 +86,16 @@ class CommittedShard:
         """Rows ``[first, stop)`` of the tensors ``names``."""
         self._check()
         return self.shard.read_rows(names, first, stop)
+
+    def spans(self) -> dict[str, Span]:
+        """Where each tensor lies (the header, checked against the record first)."""
+        self._check()
+        return self.shard.spans
+
+    def gather(self, offsets: np.ndarray, width: int) -> np.ndarray:
+        """Bytes at some places of the shard (see :meth:`Shard.gather`)."""
+        self._check()
+        return self.shard.gather(offsets, width)
 
     def indices(self, positions: Sequence[int]) -> list[torch.Tensor]:
         """The ``__index__`` of the batches at ``positions``, each checked against its record."""

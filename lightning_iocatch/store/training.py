@@ -1,34 +1,36 @@
 """StoreRows: a feature store as a shuffled ``IterableDataset`` of batches, each row once.
 
-Rows of one or more keys stream from memory-mapped shards through a bounded shuffle buffer;
-each DataLoader worker of each DDP rank reads its own share. Nothing here imports Lightning
-(:class:`~lightning_iocatch.lightning.datamodule.StoreDataModule` is the Lightning face). For each
-epoch (:meth:`StoreRows.set_epoch`, as with a ``DistributedSampler``):
+Each DataLoader worker of each DDP rank reads its own batches, gathering each batch's rows
+from the shards they are in. Nothing here imports Lightning
+(:class:`~lightning_iocatch.lightning.datamodule.StoreDataModule` is the Lightning face). For
+each epoch (:meth:`StoreRows.set_epoch`, as with a ``DistributedSampler``):
 
-- **Order.** The unit of reading is a block: the rows of one stored batch. ``shuffle=True``
-  orders the blocks by a permutation drawn from ``(seed, epoch)``, the same in every
-  process; each worker then yields batches drawn uniformly from a buffer of
-  ``buffer_rows`` rows, refilling the freed places from its blocks (the shuffle buffer of
-  WebDataset and Hugging Face ``datasets``), so rows of one stored batch stay within about
-  ``buffer_rows`` rows of each other. ``shuffle=False`` reads in commit order (rank, shard,
-  batch). The order depends on ``(seed, epoch)``, the store, the world size, the number
-  of workers, ``batch_size`` and ``buffer_rows``, and on nothing else.
-- **Exactly once.** The blocks laid end to end are N rows. Rank ``r`` of ``W`` reads the
-  ``r``-th of ``W`` contiguous runs of ``N // W`` or ``N // W + 1`` rows (rows are split,
-  not blocks) in batches of ``batch_size`` rows but its last one or two, so every rank
-  yields ``len(dataset)`` batches (DDP needs the same number of steps on every rank) and
-  one epoch reads every row once. Fewer rows than ranks, or ``batch_size=1`` with an uneven
-  split, is refused; ``drop_last=True`` yields only full batches, ``(N // W) //
-  batch_size`` per rank (the rows left out change with the epoch). A rank's batch ``i`` is
-  made by its worker ``i % num_workers`` from the part of the run it needs, and the
-  DataLoader collects batches from its workers in turn. Rank and world size come from
+- **Order.** An epoch is one sequence of all the rows (:mod:`~.epoch_order`): the blocks
+  (the rows read of each stored batch) in an order drawn from ``(seed, epoch)``, laid end to
+  end and shuffled within windows of ``shuffle_rows`` rows, so rows of one stored batch stay
+  within about ``shuffle_rows`` rows of each other (commit order without ``shuffle``). The
+  sequence depends on ``(seed, epoch)``, the rows read and ``shuffle_rows``, and not on the
+  number of processes, workers or the batch size. A run reads it in global steps of
+  ``world_size x batch_size`` rows, the ranks in rank order: after ``k`` rows consumed,
+  whatever the run, the rows consumed are the first ``k`` of the sequence.
+- **Exactly once.** Every rank yields the same number of batches (DDP needs the same number
+  of steps on every rank), all of ``batch_size`` rows but the last one or two, and an epoch
+  reads every row once. Fewer rows than ranks, or ``batch_size=1`` with rows left over that
+  cannot go one to each rank, is refused; ``drop_last=True`` reads the full steps only. A
+  rank's batch ``i`` is made by its worker ``i % num_workers``, and the DataLoader collects
+  batches from its workers in turn. Rank and world size come from
   ``rank=``/``world_size=``, or from ``torch.distributed`` once initialised (Lightning
   does it), resolved in the main process: a worker started by ``spawn`` or ``forkserver``
   gets them with the dataset. A process that is one of several (``WORLD_SIZE`` > 1)
   without a process group is refused, never read as rank 0 of 1.
-- **Memory.** Per worker: ``buffer_rows`` rows of every key (in the output dtype), one
-  batch, and the rows being copied in (their shard is mapped only while they are copied),
-  whatever the size of the store.
+- **Resuming mid-epoch.** :meth:`StoreRows.state_dict` gives the position after a number of
+  batches of the current epoch (the rows consumed: a prefix of the sequence), and
+  :meth:`StoreRows.load_state_dict` makes the next iteration of that epoch read the rest,
+  with any number of processes, workers and any batch size, without reading what was
+  consumed; later epochs are whole. The same seed, ``shuffle``, ``shuffle_rows`` and rows
+  are required (checked).
+- **Memory.** Per worker: a batch, and each shard's rows mapped only while they are copied
+  (on object storage: ranged reads of the rows' bytes), whatever the size of the store.
 - **Which rows.** One key: every row of it. Several keys: a sample lacking one of them is
   refused (``incomplete="error"``) or left out (``"skip"``). Keys stored once per batch or
   with rows of varying shape or dtype are refused; an index stored twice is refused, or
@@ -56,6 +58,13 @@ Example:
     (4, [3, 3, 3, 1])
     >>> sorted(torch.cat([batch["index"] for batch in batches]).tolist()) == list(range(10))
     True
+    >>> state = data.state_dict(batches=2)  # two batches trained on, then a preemption
+    >>> resumed = StoreRows(path, "h/outputs", batch_size=2, with_indices=True)  # another size
+    >>> resumed.load_state_dict(state)
+    >>> rest = list(DataLoader(resumed, batch_size=None))
+    >>> read = [batch["index"] for batch in batches[:2] + rest]
+    >>> sorted(torch.cat(read).tolist()) == list(range(10))
+    True
 """
 
 from __future__ import annotations
@@ -71,17 +80,15 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import StoreError
+from lightning_iocatch.store.epoch_order import EpochSequence, StepPlan
 from lightning_iocatch.store.names import INDEX_KEY
 from lightning_iocatch.store.reader import FeatureStore, OnDuplicate
-from lightning_iocatch.store.shuffle_buffer import (
-    Block,
-    BlockReader,
-    Column,
-    ShuffleBuffer,
-    segments,
-)
+from lightning_iocatch.store.row_gather import Block, Column, RowGather
 
-__all__ = ["INDEX", "StoreRows"]
+__all__ = ["INDEX", "SHUFFLE_ROWS", "StoreRows"]
+
+SHUFFLE_ROWS = 1 << 16
+"""Rows of a shuffle window by default (see the module docstring)."""
 
 INDEX = "index"
 """The batch entry holding each row's dataset index (``with_indices=True``)."""
@@ -105,8 +112,9 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         batch_size: rows per batch.
         shuffle: draw the order from ``(seed, epoch)``; ``False`` reads in commit order.
         seed: the seed of the order.
-        buffer_rows: rows each worker holds to shuffle from (default ``8 * batch_size``;
-            at least ``batch_size``); unused without ``shuffle``.
+        shuffle_rows: rows are shuffled within windows of this many rows of the blocks'
+            order (65,536 by default); unused without ``shuffle``. It shapes the order, not
+            the memory: each worker holds a batch.
         drop_last: yield only full batches (rows left out change with the epoch).
         with_indices: add each row's dataset index under ``"index"``.
         dtype: cast floating keys to this floating dtype (default: as stored).
@@ -129,7 +137,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         batch_size: int,
         shuffle: bool = True,
         seed: int = 0,
-        buffer_rows: int | None = None,
+        shuffle_rows: int = SHUFFLE_ROWS,
         drop_last: bool = False,
         with_indices: bool = False,
         dtype: torch.dtype | str | None = None,
@@ -144,8 +152,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         self.batch_size = check_int("batch_size", batch_size, minimum=1)
         self.shuffle = check_bool("shuffle", shuffle)
         self.seed = check_int("seed", seed, minimum=0)
-        buffer_rows = 8 * self.batch_size if buffer_rows is None else buffer_rows
-        self.buffer_rows = check_int("buffer_rows", buffer_rows, minimum=self.batch_size)
+        self.shuffle_rows = check_int("shuffle_rows", shuffle_rows, minimum=1)
         self.drop_last = check_bool("drop_last", drop_last)
         self.with_indices = check_bool("with_indices", with_indices)
         self.dtype = parse_dtype("dtype", dtype)
@@ -175,7 +182,10 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         self._digest = hashlib.blake2b(
             repr([(b.batch.source.name, b.batch.position, b.rows) for b in self._blocks]).encode()
         ).hexdigest()
-        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # seen by workers
+        # seen by running workers too: the epoch, and where a resumed epoch starts (see
+        # load_state_dict): its epoch (-1: none), rows of its sequence consumed, batches
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._resume = torch.tensor([-1, 0, 0], dtype=torch.int64).share_memory_()
         self._carried: tuple[int, int] | str | None = None  # see __getstate__
 
     def _check_columns(self, store: FeatureStore) -> dict[str, Column]:
@@ -195,12 +205,12 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
                 )
             stored = getattr(torch, dtype)
             cast = self.dtype if self.dtype is not None and stored.is_floating_point else stored
-            columns[key] = Column(tuple(shape), cast)
+            columns[key] = Column(tuple(shape), cast, stored)
         if self.with_indices:
-            columns[INDEX] = Column((), torch.int64)
+            columns[INDEX] = Column((), torch.int64, torch.int64)
         return columns
 
-    # The epoch
+    # The epoch, and where it starts
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from the next iteration on (also in running workers)."""
@@ -209,6 +219,77 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
     @property
     def epoch(self) -> int:
         return int(self._epoch)
+
+    @property
+    def batches_done(self) -> int:
+        """Batches of the current epoch a resumed run took before (0 unless
+        :meth:`load_state_dict` placed this epoch's start later)."""
+        return self._start(self.epoch)[1]
+
+    def _start(self, epoch: int) -> tuple[int, int]:
+        """Rows of ``epoch``'s sequence consumed before this run, and in how many batches."""
+        resumed, rows, batches = self._resume.tolist()
+        return (rows, batches) if resumed == epoch else (0, 0)
+
+    def _plan(self, first: int, world: int) -> StepPlan:
+        return StepPlan(
+            first=first,
+            total=self.rows,
+            world=world,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
+
+    def state_dict(self, batches: int) -> dict[str, Any]:
+        """Where the current epoch stands after this run took ``batches`` batches of it on
+        each rank (counted from the epoch's start, batches of a run resumed before
+        included), for :meth:`load_state_dict`."""
+        _, world = self._rank_and_world()
+        epoch = self.epoch
+        first, done = self._start(epoch)
+        plan = self._plan(first, world)
+        if not done <= check_int("batches", batches, minimum=0) <= done + len(plan):
+            raise ValueError(
+                f"`batches` must be between {done} and {done + len(plan)} (the batches of "
+                f"epoch {epoch} on {world} process(es)), got {batches}"
+            )
+        return {
+            "epoch": epoch,
+            "rows": first + plan.rows_before(batches - done),
+            "batches": batches,
+            "sequence": self._sequence_key(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue ``state``'s epoch after the rows it had consumed (also in running workers),
+        whatever the number of processes, workers and the batch size now."""
+        sequence = self._sequence_key()
+        if state.get("sequence") != sequence:
+            theirs = state.get("sequence") or {}
+            differ = [
+                f"{name} {theirs.get(name)!r} (now {value!r})"
+                for name, value in sequence.items()
+                if theirs.get(name) != value
+            ]
+            raise StoreError(
+                "this state was saved reading another sequence of rows: "
+                + ", ".join(differ)
+                + "; resume with the same store, keys, incomplete and on_duplicate, seed, "
+                "shuffle and shuffle_rows"
+            )
+        epoch, rows, batches = (int(state[name]) for name in ("epoch", "rows", "batches"))
+        self._resume.copy_(torch.tensor([epoch, rows, batches]))
+        self.set_epoch(epoch)
+
+    def _sequence_key(self) -> dict[str, Any]:
+        """What the sequence of an epoch depends on (see the module docstring)."""
+        return {
+            "rows": self.rows,
+            "blocks": self._digest,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_rows": self.shuffle_rows,
+        }
 
     def _rank_and_world(self) -> tuple[int, int]:
         """Given ones; else the process group's (the main process, a forked worker); else,
@@ -236,34 +317,33 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         return state
 
     def __len__(self) -> int:
-        """The number of batches this rank yields per epoch (the same on every rank)."""
-        rank, world = self._rank_and_world()
-        return len(_rank_share(self.rows, world, rank, self.batch_size, self.drop_last)[1])
+        """The batches this rank yields in the next iteration (the same on every rank): an
+        epoch's, or the rest of a resumed one."""
+        _, world = self._rank_and_world()
+        return len(self._plan(self._start(self.epoch)[0], world))
+
+    def epoch_length(self) -> int:
+        """The batches of a whole epoch on this rank, as this run reads it."""
+        return len(self._plan(0, self._rank_and_world()[1]))
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         rank, world = self._rank_and_world()
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch = self.epoch
-        start, sizes = _rank_share(self.rows, world, rank, self.batch_size, self.drop_last)
-        start += sum(sum(sizes[w::workers]) for w in range(worker))
-        sizes = sizes[worker::workers]
-        order = list(range(len(self._blocks)))
-        if self.shuffle:
-            order = torch.randperm(len(order), generator=_generator(self.seed, epoch)).tolist()
-        counts = [self._blocks[b].rows for b in order]
-        pieces = [(order[i], a, b) for i, a, b in segments(counts, start, start + sum(sizes))]
-        if not sizes:
-            return
+        plan = self._plan(self._start(epoch)[0], world)
+        sequence = EpochSequence(
+            [block.rows for block in self._blocks],
+            seed=self.seed,
+            epoch=epoch,
+            shuffle=self.shuffle,
+            shuffle_rows=self.shuffle_rows,
+        )
         stored_names = {key: INDEX_KEY if key == INDEX else key for key in self._columns}
-        reader = BlockReader([(self._blocks[b], a, z) for b, a, z in pieces], stored_names)
-        rows = sum(sizes)
-        capacity = min(self.buffer_rows if self.shuffle else max(sizes), rows)
-        buffer = ShuffleBuffer(capacity, self._columns)
-        generator = _generator(self.seed, epoch, rank, worker) if self.shuffle else None
-        for size in sizes:
-            buffer.fill(reader, capacity if self.shuffle else size)
-            yield buffer.take(size, generator)
+        gather = RowGather(self._blocks, self._columns, stored_names)
+        for step in range(worker, len(plan), workers):
+            first, rows = plan.share(step, rank)
+            yield gather.read(*sequence.locate(first, first + rows))
 
     def __repr__(self) -> str:
         return f"StoreRows({str(self.path)!r}, keys={list(self.keys)}, rows={self.rows})"
@@ -294,11 +374,6 @@ def _parse_keys(keys: str | Sequence[str]) -> tuple[str, ...]:
     return parsed
 
 
-def _generator(*parts: int) -> torch.Generator:
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-
-
 # The layout: which rows of which stored batch are read, in commit order
 
 
@@ -323,37 +398,3 @@ def _layout(store: FeatureStore, keys: Sequence[str], incomplete: Incomplete) ->
                 "only those, or read the keys one at a time"
             )
     return blocks
-
-
-# An epoch's share: which rows of the blocks laid end to end, in batches of which sizes
-
-
-def _rank_share(
-    total: int, world: int, rank: int, batch_size: int, drop_last: bool
-) -> tuple[int, list[int]]:
-    """Where ``rank``'s contiguous run of the ``total`` rows starts, and its batch sizes.
-
-    Every rank gets the same number of batches; without ``drop_last`` the runs cover every
-    row once, all batches full but a rank's last one or two.
-    """
-    quotient, remainder = divmod(total, world)
-    start = rank * quotient + min(rank, remainder)
-    if drop_last:
-        if quotient < batch_size:
-            raise ValueError(
-                f"{total} rows over {world} process(es) are fewer than `batch_size` "
-                f"{batch_size} per process: `drop_last=True` would drop every batch"
-            )
-        return start, [batch_size] * (quotient // batch_size)
-    if quotient == 0 or (batch_size == 1 and remainder):
-        raise ValueError(
-            f"{total} rows cannot give {world} processes the same number of non-empty batches "
-            f"of at most {batch_size} rows each; use a `batch_size` of 2 or more, fewer "
-            "processes, or `drop_last=True`"
-        )
-    share = quotient + (rank < remainder)
-    steps = -(-(quotient + (remainder > 0)) // batch_size)
-    sizes = [batch_size] * (steps - 1) + [share - (steps - 1) * batch_size]
-    if sizes[-1] == 0:  # one row fewer than the largest share: the last two share it out
-        sizes[-2:] = [batch_size - 1, 1]
-    return start, sizes

@@ -160,7 +160,21 @@ def test_a_round_trip_reads_every_row_as_written(
     assert_holds(place, data)
     rows = StoreRows(place.url, "h/outputs", batch_size=7, with_indices=True,
                      storage_options=place.options)  # fmt: skip
-    assert sorted(torch.cat([b["index"] for b in rows]).tolist()) == list(range(30))
+    read = list(rows)  # rows gathered by byte offsets, against the reader's whole tensors
+    index = torch.cat([b["index"] for b in read])
+    assert sorted(index.tolist()) == list(range(30))
+    store = FeatureStore(place.url, storage_options=place.options)
+    assert torch.equal(
+        torch.cat([b["h/outputs"] for b in read])[index.argsort()], store["h/outputs"]
+    )
+    source = store._sources[0]  # any offsets, adjacent or not, in any order, by every backend
+    span = source.spans()["b0/h/outputs"]
+    width = (span.end - span.start) // span.shape[0]
+    whole = source.read(["b0/h/outputs"])["b0/h/outputs"].reshape(span.shape[0], -1)
+    rows_wanted = torch.tensor([3, 0, 1, 2, 3, 2])[: span.shape[0]]
+    offsets = (span.start + rows_wanted * width).numpy()
+    gathered = torch.from_numpy(source.gather(offsets, width)).view(whole.dtype)
+    assert torch.equal(gathered.reshape(len(rows_wanted), -1), whole[rows_wanted])
     capsys.readouterr()
     assert inspect(place, "--verify", "--expected", "30") == 0
     out = capsys.readouterr().out

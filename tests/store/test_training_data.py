@@ -88,7 +88,7 @@ def test_every_row_once_per_epoch_over_ranks_and_workers(
                     dumped,
                     KEYS,
                     batch_size=batch_size,
-                    buffer_rows=7 + batch_size,
+                    shuffle_rows=7 + batch_size,
                     with_indices=True,
                     drop_last=drop_last,
                     rank=rank,
@@ -145,7 +145,9 @@ def test_rows_equal_the_store_row_for_row(dumped: Path) -> None:
 
 def test_the_order_changes_with_the_epoch_and_repeats_for_a_seed_and_epoch(dumped: Path) -> None:
     def order(seed: int, epoch: int) -> list[int]:
-        data = StoreRows(dumped, KEYS[0], batch_size=5, buffer_rows=N, seed=seed, with_indices=True)
+        data = StoreRows(
+            dumped, KEYS[0], batch_size=5, shuffle_rows=N, seed=seed, with_indices=True
+        )
         data.set_epoch(epoch)
         batches = list(data)
         assert len({index // 8 for index in batches[0][INDEX].tolist()}) > 1  # across shards
@@ -161,7 +163,7 @@ def test_the_order_changes_with_the_epoch_and_repeats_for_a_seed_and_epoch(dumpe
 def test_two_dataloader_workers_read_every_row_once_in_the_rank_order(
     dumped: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = StoreRows(dumped, KEYS, batch_size=4, buffer_rows=8, seed=2, with_indices=True)
+    data = StoreRows(dumped, KEYS, batch_size=4, shuffle_rows=8, seed=2, with_indices=True)
     loader = DataLoader(data, batch_size=None, num_workers=2, persistent_workers=True)
     epochs = []
     for epoch in (0, 1):
@@ -244,8 +246,9 @@ def test_a_store_holding_an_index_twice_is_refused_or_read_from_its_first_commit
         list(StoreRows(twice, "m.a/outputs", batch_size=2, rank=rank, world_size=2, **options))
         for rank in (0, 1)
     ]
-    read = [batch for half in halves for batch in half]
-    assert indices(read) == list(range(13))
+    assert len(halves[0]) == len(halves[1])
+    read = [batch for step in zip(*halves, strict=True) for batch in step]
+    assert indices(read) == list(range(13))  # step by step, rank 0's batch first
     assert torch.equal(torch.cat([batch["m.a/outputs"] for batch in read]), rows)
 
 
@@ -258,7 +261,7 @@ def test_a_store_holding_an_index_twice_is_refused_or_read_from_its_first_commit
         ({"keys": "m.rope/outputs"}, StoreError, "stored once per batch; StoreRows reads"),
         ({"keys": "m.ragged/outputs"}, StoreError, "rows of different shapes or dtypes"),
         ({"batch_size": 0}, ValueError, "`batch_size` must be >= 1"),
-        ({"buffer_rows": 3}, ValueError, "`buffer_rows` must be >= 4"),
+        ({"shuffle_rows": 0}, ValueError, "`shuffle_rows` must be >= 1"),
         ({"dtype": "int8"}, ValueError, "`dtype` must be a floating-point torch dtype"),
         ({"incomplete": "drop"}, ValueError, r"`incomplete` must be one of \('error', 'skip'\)"),
         ({"on_duplicate": "last"}, ValueError, "`on_duplicate` must be one of"),
@@ -297,7 +300,7 @@ class Recorder(pl.LightningModule):
 def test_fit_reads_every_row_once_per_epoch_in_a_new_order(
     dumped: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    options: dict[str, Any] = {"batch_size": 4, "buffer_rows": 12, "seed": 3, "with_indices": True}
+    options: dict[str, Any] = {"batch_size": 4, "shuffle_rows": 12, "seed": 3, "with_indices": True}
     data = StoreDataModule(dumped, KEYS, num_workers=2, persistent_workers=True, **options)
     module = Recorder()
     run = trainer([], max_epochs=3)
@@ -317,8 +320,8 @@ def test_bad_data_module_arguments_are_named(dumped: Path) -> None:
         StoreDataModule(dumped, KEYS, batch_size=4, persistent_workers=True)
     with pytest.raises(ValueError, match="`num_workers` must be >= 0"):
         StoreDataModule(dumped, KEYS, batch_size=4, num_workers=-1)
-    with pytest.raises(ValueError, match="`buffer_rows` must be >= 4"):
-        StoreDataModule(dumped, KEYS, batch_size=4, buffer_rows=2)
+    with pytest.raises(ValueError, match="`shuffle_rows` must be >= 1"):
+        StoreDataModule(dumped, KEYS, batch_size=4, shuffle_rows=0)
     with pytest.raises(ValueError, match="`multiprocessing_context` must be None or one of"):
         StoreDataModule(dumped, KEYS, batch_size=4, num_workers=1, multiprocessing_context="fast")
     with pytest.raises(ValueError, match="`multiprocessing_context` needs `num_workers`"):
@@ -389,12 +392,12 @@ def test_two_ddp_processes_read_every_row_once_per_epoch(
     run_script(__file__, str(dumped), str(tmp_path), start_method)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [rank["sampler"] for rank in ranks] == ["_InfiniteConstantSampler"] * 2
-    assert [rank["batches"] for rank in ranks] == [3, 3]  # 23 and 22 rows in batches of 11
+    assert [rank["batches"] for rank in ranks] == [3, 3]  # 22 and 23 rows in batches of 11
     orders = []
     for epoch in ("0", "1"):
         batches = [rank["seen"][epoch] for rank in ranks]
         assert [len(b) for b in batches] == [3, 3]  # the same number of steps on both
-        assert [[len(batch) for batch in b] for b in batches] == [[11, 11, 1], [11, 10, 1]]
+        assert [[len(batch) for batch in b] for b in batches] == [[11, 10, 1], [11, 11, 1]]
         both = [index for b in batches for batch in b for index in batch]
         assert sorted(both) == list(range(N))
         orders.append(both)
@@ -439,12 +442,12 @@ def ddp_main(store: Path, out: Path, start_method: str) -> None:
     (out / f"rank{run.global_rank}.json").write_text(json.dumps(facts))
 
 
-# Memory: flat on a store larger than the buffer
+# Memory: flat on a store larger than a shuffle window
 
 READ = """
 import json, sys, time
 from lightning_iocatch.store.training import StoreRows
-data = StoreRows(sys.argv[1], "proj/outputs", batch_size=256, buffer_rows=1024)
+data = StoreRows(sys.argv[1], "proj/outputs", batch_size=256, shuffle_rows=1024)
 start, rows, total = time.perf_counter(), 0, 0.0
 for batch in data:
     rows += len(batch["proj/outputs"])
@@ -467,10 +470,10 @@ class Wide(pl.LightningModule):
 
 
 @pytest.mark.slow
-def test_memory_stays_flat_on_a_store_larger_than_the_buffer(tmp_path: Path) -> None:
+def test_memory_stays_flat_on_a_store_larger_than_a_shuffle_window(tmp_path: Path) -> None:
     module = Wide()
     paths = {}
-    for rows in (4096, 16384):  # 16 and 64 MiB; the buffer holds 1024 rows (4 MiB)
+    for rows in (4096, 16384):  # 16 and 64 MiB; a window is 1024 rows (4 MiB)
         data = DataLoader(TensorDataset(torch.randn(rows, 8)), batch_size=512)
         paths[rows] = dump(
             tmp_path / str(rows), module, "outputs[proj]", data, max_shard_bytes=4 << 20

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.object_location import ObjectLocation
+from lightning_iocatch.store.backends.safetensors_layout import Span
 from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.records import ShardRecord
 
@@ -98,6 +100,16 @@ class Shard(ABC):
     @abstractmethod
     def read_rows(self, names: Sequence[str], first: int, stop: int) -> dict[str, torch.Tensor]:
         """Rows ``[first, stop)`` of the tensors ``names``, reading only their bytes."""
+
+    @property
+    @abstractmethod
+    def spans(self) -> dict[str, Span]:
+        """Tensor name -> where its bytes lie in the shard (from the header, read once)."""
+
+    @abstractmethod
+    def gather(self, offsets: np.ndarray, width: int) -> np.ndarray:
+        """The ``width`` bytes at each of ``offsets`` (absolute, in the shard), as a
+        ``uint8`` array of ``(len(offsets), width)``, reading about only those bytes."""
 
     @abstractmethod
     def crc32(self) -> int:

@@ -21,12 +21,14 @@ Only the store's own files directly inside its directory are read or written
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import stat
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -55,6 +57,7 @@ from lightning_iocatch.store.backends.local_records import (
 )
 from lightning_iocatch.store.backends.safetensors_layout import (
     Span,
+    byte_rows,
     header_length,
     parse_header,
     row_range,
@@ -114,6 +117,20 @@ class LocalShard(Shard):
         if any(len(raw) != span.end - span.start for raw, span in zip(data, spans, strict=True)):
             raise StoreError(f"shard {self} changed while it was read")
         return {n: to_tensor(raw, span) for n, raw, span in zip(names, data, spans, strict=True)}
+
+    def gather(self, offsets: np.ndarray, width: int) -> np.ndarray:
+        """The bytes, copied out of the file mapped for this call only."""
+        if not width or not len(offsets):
+            return np.empty((len(offsets), width), dtype=np.uint8)
+        with self._file() as fd:
+            if os.fstat(fd).st_size < int(offsets.max()) + width:
+                raise StoreError(f"shard {self} changed while it was read")
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
+                data = np.frombuffer(mapped, dtype=np.uint8)
+                try:
+                    return byte_rows(data, width)[offsets]
+                finally:
+                    del data  # the mapping closes only once no array holds it
 
     def crc32(self) -> int:
         return file_crc32(self.path)

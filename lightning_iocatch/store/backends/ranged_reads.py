@@ -16,6 +16,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
@@ -136,6 +137,21 @@ class RemoteShard(Shard):
 
     def read_rows(self, names: Sequence[str], first: int, stop: int) -> dict[str, torch.Tensor]:
         return self._read(names, [row_range(self.spans[name], first, stop) for name in names])
+
+    def gather(self, offsets: np.ndarray, width: int) -> np.ndarray:
+        """One ranged read per run of adjacent rows (close runs merged by the fetch)."""
+        if not width or not len(offsets):
+            return np.empty((len(offsets), width), dtype=np.uint8)
+        order = np.argsort(offsets, kind="stable")
+        ordered = offsets[order]
+        cuts = np.flatnonzero(np.diff(ordered) != width) + 1
+        firsts = ordered[np.r_[0, cuts]].tolist()
+        ends = (ordered[np.r_[cuts - 1, len(ordered) - 1]] + width).tolist()
+        data = _fetch_from([self], [(self.name, a, z) for a, z in zip(firsts, ends, strict=True)])
+        joined = np.concatenate([np.frombuffer(piece, dtype=np.uint8) for piece in data])
+        out = np.empty((len(offsets), width), dtype=np.uint8)
+        out[order] = joined.reshape(len(offsets), width)
+        return out
 
     def _read(self, names: Sequence[str], spans: list[Span]) -> dict[str, torch.Tensor]:
         data = _fetch_from([self], [(self.name, span.start, span.end) for span in spans])

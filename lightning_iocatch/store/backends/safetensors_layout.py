@@ -14,12 +14,21 @@ import math
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.shard_file import READABLE_CODES
 
-__all__ = ["Span", "header_length", "parse_header", "row_range", "to_tensor"]
+__all__ = [
+    "Span",
+    "header_length",
+    "parse_header",
+    "byte_rows",
+    "row_range",
+    "row_width",
+    "to_tensor",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +75,21 @@ def parse_header(raw: bytes, size: int, where: str) -> dict[str, Span]:
 
 def row_range(span: Span, first: int, stop: int) -> Span:
     """Rows ``[first, stop)`` of the tensor at ``span``, as a span of their own."""
-    row = (span.end - span.start) // span.shape[0] if span.shape and span.shape[0] else 0
+    row = row_width(span)
     shape = (stop - first, *span.shape[1:])
     return Span(span.code, shape, span.start + first * row, span.start + stop * row)
+
+
+def row_width(span: Span) -> int:
+    """The bytes of one row of the tensor at ``span`` (0 for a tensor of no rows)."""
+    return (span.end - span.start) // span.shape[0] if span.shape and span.shape[0] else 0
+
+
+def byte_rows(data: np.ndarray, width: int) -> np.ndarray:
+    """A read-only view of ``data`` (bytes) whose row ``i`` is ``data[i : i + width]``: rows at
+    any offsets are then gathered in one indexing."""
+    rows = len(data) - width + 1
+    return np.lib.stride_tricks.as_strided(data, (rows, width), (1, 1), writeable=False)
 
 
 def to_tensor(raw: bytes | bytearray | memoryview, span: Span) -> torch.Tensor:

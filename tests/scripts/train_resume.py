@@ -1,0 +1,108 @@
+"""Run by tests/store/test_training_resume.py: ``Trainer.fit`` on a store, killed and resumed.
+
+    python tests/scripts/train_resume.py STORE OUT --devices 2 --workers 2 --batch-size 1000
+        [--kill-after-step K] [--ckpt PATH] [--every N] [--limit L] [--persistent]
+        [--steps-in-setup]
+
+Each rank appends ``epoch step rank i,j,k,...`` to ``OUT/seen-r{rank}.txt`` for every
+training batch (``step``: the optimizer steps done before it, since there is no gradient
+accumulation). ``ModelCheckpoint`` saves ``OUT/ckpt/step=N.ckpt`` every ``--every`` steps;
+``--kill-after-step K`` SIGKILLs every process of the run (its process group) once step K
+has ended, a few steps after a checkpoint, as a preemption does. ``--ckpt`` resumes from a
+checkpoint; ``--steps-in-setup`` reads ``trainer.estimated_stepping_batches`` in the
+module's ``setup``, before Lightning restores the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_iocatch import StoreDataModule
+
+KEY = "h/outputs"
+
+
+class Reader(pl.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+        self.args = args
+
+    def setup(self, stage: str) -> None:
+        if self.args.steps_in_setup:
+            assert self.trainer.estimated_stepping_batches > 0
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # each row's value is its dataset index: a row that is not its index is wrong data
+        assert torch.equal(batch[KEY][:, 0].long(), batch["index"]), "rows not their indices"
+        line = f"{self.current_epoch} {self.global_step} {self.global_rank} "
+        line += ",".join(map(str, batch["index"].tolist()))
+        with (self.args.out / f"seen-r{self.global_rank}.txt").open("a") as log:
+            log.write(line + "\n")
+        return self.layer(batch[KEY]).pow(2).mean()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.global_step == self.args.kill_after_step:
+            os.killpg(os.getpgid(0), signal.SIGKILL)  # after the checkpoint callbacks ran
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("store")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--kill-after-step", type=int, default=-1)
+    parser.add_argument("--ckpt")
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--limit", type=int)
+    parser.add_argument("--persistent", action="store_true")
+    parser.add_argument("--steps-in-setup", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = StoreDataModule(
+        args.store,
+        KEY,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        persistent_workers=args.persistent,
+        seed=11,
+        shuffle_rows=8192,
+        with_indices=True,
+    )
+    checkpoints = ModelCheckpoint(
+        dirpath=args.out / "ckpt",
+        filename="{step}",
+        every_n_train_steps=args.every,
+        save_top_k=-1,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        max_epochs=2,
+        limit_train_batches=args.limit,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoints],
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(Reader(args), datamodule=data, ckpt_path=args.ckpt)
+
+
+if __name__ == "__main__":
+    main()

@@ -12,20 +12,17 @@ current epoch stands after the batches the fit loop has processed
 (``trainer.fit_loop.epoch_loop.batch_progress``), and ``Trainer.fit(ckpt_path=...)``
 restores it, so the resumed run reads the rest of that epoch, each row once over both runs,
 with any number of processes, workers or batch size (see
-:class:`~lightning_iocatch.store.training.StoreRows`). Lightning counts a resumed epoch's
-batches on from the batches done before; when the global batch changed, the loader's length
-is the larger of a whole epoch's and the resumed epoch's batches, and the epoch ends when
-the rows do. A loader sized before the checkpoint was restored
-(``trainer.estimated_stepping_batches`` read in ``setup``), with a global batch now larger,
-would end the resumed epoch early: that is refused when the epoch starts.
+:class:`~lightning_iocatch.store.training.StoreRows`), then whole epochs. How the train
+loader tells Lightning the resumed epoch's length, and what it refuses: see
+:mod:`~lightning_iocatch.lightning.epoch_loader`.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -33,72 +30,12 @@ from torch.utils.data import DataLoader
 
 from lightning_iocatch.checks import check_bool, check_int
 from lightning_iocatch.errors import StoreError
+from lightning_iocatch.lightning.epoch_loader import EpochLoader, EpochTracker
 from lightning_iocatch.lightning.process_group_exit import destroy_gloo_group_at_exit
 from lightning_iocatch.store.reader import OnDuplicate
 from lightning_iocatch.store.training import SHUFFLE_ROWS, Incomplete, StoreRows
 
-if TYPE_CHECKING:
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-
 __all__ = ["StoreDataModule"]
-
-
-class _EpochLoader(DataLoader):
-    """A DataLoader of a StoreRows that sets its epoch from ``trainer`` as each epoch starts,
-    and whose length covers a resumed epoch (see the module docstring)."""
-
-    trainer: pl.Trainer | None = None
-
-    def __len__(self) -> int:
-        data = self.dataset
-        assert isinstance(data, StoreRows)
-        if self.trainer is not None:
-            data.set_epoch(self.trainer.current_epoch)
-        return max(data.epoch_length(), data.batches_done + len(data))
-
-    def __iter__(self) -> _Deferred:  # type: ignore[override]
-        """The DataLoader's iterator, started at the first batch: Lightning makes a train
-        loader's iterator before it restores a checkpoint (and keeps it for the resumed
-        epoch), and workers would read the epoch's start before it is restored."""
-        return _Deferred(self._start)
-
-    def _start(self) -> _BaseDataLoaderIter:
-        data = self.dataset
-        assert isinstance(data, StoreRows)
-        if self.trainer is not None:
-            data.set_epoch(self.trainer.current_epoch)
-            _check_sized_after_restore(self.trainer, data)
-        return super().__iter__()
-
-
-class _Deferred(Iterator[Any]):
-    """An iterator that calls ``start`` for the one it hands out, at the first ``next``."""
-
-    def __init__(self, start: Callable[[], Iterator[Any]]) -> None:
-        self._start: Callable[[], Iterator[Any]] | None = start
-        self._started: Iterator[Any] | None = None
-
-    def __next__(self) -> Any:
-        if self._started is None:
-            assert self._start is not None
-            self._started, self._start = self._start(), None
-        return next(self._started)
-
-
-def _check_sized_after_restore(trainer: pl.Trainer, data: StoreRows) -> None:
-    """Refuse a resumed epoch that Lightning would end before its rows are read."""
-    needed = data.batches_done + len(data)
-    sized = trainer.num_training_batches
-    limit = trainer.limit_train_batches
-    capped = needed if limit == 1.0 else min(needed, limit) if isinstance(limit, int) else None
-    if data.batches_done and capped is not None and sized < capped:
-        raise StoreError(
-            f"this resumed epoch needs {needed} batches, {data.batches_done} of them done "
-            f"before the checkpoint, but the train loader was sized ({sized} batches) before "
-            "the checkpoint was restored (trainer.estimated_stepping_batches read in setup?) "
-            "and the global batch is now larger: read it in configure_optimizers, or resume "
-            "with the same number of processes and batch_size"
-        )
 
 
 class StoreDataModule(pl.LightningDataModule):
@@ -179,6 +116,7 @@ class StoreDataModule(pl.LightningDataModule):
         if multiprocessing_context is not None and not num_workers:
             raise ValueError("`multiprocessing_context` needs `num_workers` of 1 or more")
         self.multiprocessing_context = multiprocessing_context
+        self._tracker = EpochTracker()
         self.dataset = StoreRows(
             path,
             keys,
@@ -196,6 +134,8 @@ class StoreDataModule(pl.LightningDataModule):
         )
 
     def setup(self, stage: str) -> None:
+        self.dataset.clear_position()  # a checkpoint restored after this may place it again
+        self._tracker.reset()
         if self.trainer is not None:
             destroy_gloo_group_at_exit()  # see process_group_exit
             self._agree(self.trainer.strategy)
@@ -212,27 +152,31 @@ class StoreDataModule(pl.LightningDataModule):
             )
 
     def train_dataloader(self) -> DataLoader:
-        loader = _EpochLoader(
+        return EpochLoader(
             self.dataset,
-            batch_size=None,
+            self.trainer,
+            self._tracker,
             num_workers=self.num_workers,
             persistent_workers=self.persistent_workers,
             pin_memory=self.pin_memory,
             multiprocessing_context=self.multiprocessing_context,
         )
-        loader.trainer = self.trainer
-        return loader
 
     def state_dict(self) -> dict[str, Any]:
         """Where the current epoch stands after the batches the fit loop has processed (saved
         in Lightning's checkpoints); ``{}`` outside ``fit``."""
-        trainer = self.trainer
+        trainer, data = self.trainer, self.dataset
         if trainer is None or trainer.state.fn != "fit":
             return {}
+        epoch = trainer.current_epoch
+        data.set_epoch(epoch)
+        if self._tracker.reading != epoch:  # no batch of this epoch read yet
+            if data.resumed_epoch != epoch:
+                return {}  # between epochs (Lightning's batch count is the last epoch's)
+            return {"store_rows": data.state_dict(batches=data.batches_done)}
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        self.dataset.set_epoch(trainer.current_epoch)
         processed = progress.processed  # type: ignore[attr-defined]  # a _ProcessedTracker
-        return {"store_rows": self.dataset.state_dict(batches=processed)}
+        return {"store_rows": data.state_dict(batches=processed)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the checkpoint's epoch after the rows it had consumed."""

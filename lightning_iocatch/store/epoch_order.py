@@ -123,10 +123,15 @@ class StepPlan:
             before = [batch_size - (rank < giving) for rank in range(world)]
             self._last = [before, [1] * world]
         else:
+            fix = (
+                "use a `batch_size` of 2 or more, fewer processes, or `drop_last=True`"
+                if full
+                else f"use at most {rows} processes, or `drop_last=True`"
+            )
+            where = " (what is left of a resumed epoch)" if first else ""
             raise ValueError(
-                f"{rows} rows cannot give {world} processes the same number of non-empty "
-                f"batches of at most {batch_size} rows each; use a `batch_size` of 2 or more, "
-                "fewer processes, or `drop_last=True`"
+                f"{rows} rows{where} cannot give {world} processes the same number of "
+                f"non-empty batches of at most {batch_size} rows each; {fix}"
             )
 
     def __len__(self) -> int:

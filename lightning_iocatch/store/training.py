@@ -87,6 +87,9 @@ from lightning_iocatch.store.row_gather import Block, Column, RowGather
 
 __all__ = ["INDEX", "SHUFFLE_ROWS", "StoreRows"]
 
+RANDPERM = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
+"""A draw of ``torch.randperm``, part of what a state's sequence depends on."""
+
 SHUFFLE_ROWS = 1 << 16
 """Rows of a shuffle window by default (see the module docstring)."""
 
@@ -226,6 +229,17 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         :meth:`load_state_dict` placed this epoch's start later)."""
         return self._start(self.epoch)[1]
 
+    @property
+    def resumed_epoch(self) -> int | None:
+        """The epoch :meth:`load_state_dict` placed later, until :meth:`clear_position` or
+        an iteration of another epoch; ``None`` if none."""
+        resumed = int(self._resume[0])
+        return None if resumed < 0 else resumed
+
+    def clear_position(self) -> None:
+        """Forget where :meth:`load_state_dict` placed an epoch's start: every epoch whole."""
+        self._resume.copy_(torch.tensor([-1, 0, 0]))
+
     def _start(self, epoch: int) -> tuple[int, int]:
         """Rows of ``epoch``'s sequence consumed before this run, and in how many batches."""
         resumed, rows, batches = self._resume.tolist()
@@ -278,6 +292,11 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
                 "shuffle and shuffle_rows"
             )
         epoch, rows, batches = (int(state[name]) for name in ("epoch", "rows", "batches"))
+        if epoch < 0 or not 0 <= rows <= self.rows or batches < 0 or batches > rows:
+            raise ValueError(
+                f"a state places epoch {epoch} after {rows} rows in {batches} batches: not "
+                f"a position in {self.rows} rows (a damaged or edited state)"
+            )
         self._resume.copy_(torch.tensor([epoch, rows, batches]))
         self.set_epoch(epoch)
 
@@ -289,6 +308,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_rows": self.shuffle_rows,
+            "randperm": RANDPERM,  # torch's draws, should a torch release change them
         }
 
     def _rank_and_world(self) -> tuple[int, int]:
@@ -331,6 +351,8 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch = self.epoch
+        if self.resumed_epoch not in (None, epoch):  # that epoch is over
+            self.clear_position()
         plan = self._plan(self._start(epoch)[0], world)
         sequence = EpochSequence(
             [block.rows for block in self._blocks],

@@ -305,7 +305,7 @@ def test_fit_reads_every_row_once_per_epoch_in_a_new_order(
     module = Recorder()
     run = trainer([], max_epochs=3)
     run.fit(module, datamodule=data)
-    assert type(run.train_dataloader).__name__ == "_EpochLoader"
+    assert type(run.train_dataloader).__name__ == "EpochLoader"
     twin = StoreRows(dumped, KEYS, **options)  # the same order, read outside the Trainer
     for epoch in range(3):
         batches = module.seen[epoch]

@@ -23,7 +23,7 @@ import torch
 
 import lightning_iocatch.store.training as training
 from lightning_iocatch import StoreDataModule, StoreError
-from lightning_iocatch.lightning.datamodule import _check_sized_after_restore
+from lightning_iocatch.lightning.epoch_loader import EpochLoader, EpochTracker
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.training import INDEX, StoreRows
 from lightning_iocatch.store.writer import ShardWriter
@@ -188,22 +188,45 @@ def test_a_state_of_another_sequence_or_out_of_range_is_refused(store: Path) -> 
         data.state_dict(batches=102)
 
 
-def test_a_loader_sized_before_the_restore_is_refused_where_it_would_end_the_epoch_early(
+def lightning(epoch: int, done: int, sized: int, limit: float | int = 1.0) -> Any:
+    """What EpochLoader reads of a Trainer at the first batch of an epoch."""
+    progress = SimpleNamespace(current=SimpleNamespace(ready=done))
+    return SimpleNamespace(
+        current_epoch=epoch,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+        num_training_batches=sized,
+        limit_train_batches=limit,
+        reload_dataloaders_every_n_epochs=0,
+    )
+
+
+def test_the_loader_tells_lightning_the_resumed_epoch_and_refuses_what_would_lose_rows(
     store: Path,
 ) -> None:
     (first,) = ranks(store, 1, 1000)
-    (data,) = ranks(store, 1, 2000)  # the global batch doubled
-    data.load_state_dict(first.state_dict(batches=50))  # 50,000 rows in 50 batches
-    assert data.batches_done == 50 and len(data) == 26 and data.epoch_length() == 51
-    loader = StoreDataModule(store, KEY, batch_size=2000, **ORDER).train_dataloader()
-    loader.dataset.load_state_dict(first.state_dict(batches=50))
-    assert len(loader) == 76  # Lightning counts on from 50: 50 + 26, more than a whole epoch
-    sized = SimpleNamespace(num_training_batches=51, limit_train_batches=1.0)  # before restore
-    with pytest.raises(StoreError, match=r"sized \(51 batches\) before the checkpoint was"):
-        _check_sized_after_restore(sized, data)  # type: ignore[arg-type]
-    for fine in ((76, 1.0), (30, 30)):  # sized after the restore; a limit the user set
-        trainer = SimpleNamespace(num_training_batches=fine[0], limit_train_batches=fine[1])
-        _check_sized_after_restore(trainer, data)  # type: ignore[arg-type]
+    state = first.state_dict(batches=50)  # 50,000 rows in 50 batches
+    data = StoreDataModule(store, KEY, batch_size=2000, **ORDER)  # the global batch doubled
+    tracker = EpochTracker()
+    loader = EpochLoader(data.dataset, lightning(0, 50, 76), tracker)  # type: ignore[arg-type]
+    with pytest.raises(StoreError, match="this data module holds no position in it"):
+        iter(loader).__next__()  # Lightning resumed, but the checkpoint had no state for it
+    data.dataset.load_state_dict(state)
+    assert len(loader) == 50 + 26 and data.dataset.epoch_length() == 51
+    stale = EpochLoader(data.dataset, lightning(0, 50, 51), tracker)  # type: ignore[arg-type]
+    with pytest.raises(StoreError, match="sized this epoch at 51 batches, but it has 76"):
+        next(iter(stale))  # sized before the restore (estimated_stepping_batches in setup)
+    limited = EpochLoader(data.dataset, lightning(0, 50, 30, 30), EpochTracker())  # type: ignore[arg-type]
+    next(iter(limited))  # a limit the user set is not a stale size
+    trainer = lightning(0, 50, 76)
+    first_batch = next(iter(EpochLoader(data.dataset, trainer, tracker)))  # type: ignore[arg-type]
+    assert len(first_batch[KEY]) == 2000 and trainer.reload_dataloaders_every_n_epochs == 1
+    trainer.current_epoch, trainer.num_training_batches = 1, 51  # reloaded for epoch 1
+    trainer.fit_loop.epoch_loop.batch_progress.current.ready = 0
+    reloaded = EpochLoader(data.dataset, trainer, tracker)  # type: ignore[arg-type]
+    assert len(reloaded) == 51
+    next(iter(reloaded))
+    assert trainer.reload_dataloaders_every_n_epochs == 0  # the user's setting again
+    assert data.dataset.resumed_epoch is None and data.dataset.batches_done == 0
 
 
 # Trainer.fit killed mid-epoch and resumed from its checkpoint
@@ -243,21 +266,34 @@ def seen(out: Path) -> dict[int, list[tuple[int, list[int]]]]:
     return {epoch: sorted(by_step.items()) for epoch, by_step in epochs.items()}
 
 
-KILLS = [  # (first run, kill after step, resumed run): 10 %, 37 % and 90 % of an epoch
+LIMITED = [
+    "--devices",
+    "1",
+    "--batch-size",
+    "2000",
+    "--limit",
+    "30",
+    "--accumulate",
+    "2",
+    "--every",
+    "1",
+]
+TWO_PERSISTENT = ["--devices", "2", "--workers", "2", "--batch-size", "2000", "--persistent"]
+KILLS = [  # (first run, kill after batch, resumed run): 10 %, 37 % and 90 % of an epoch
     (
         ["--devices", "2", "--workers", "2", "--batch-size", "1250", "--persistent"],
-        16,  # of 41 steps; checkpoint at 15
-        ["--devices", "1", "--workers", "1", "--batch-size", "1999", "--steps-in-setup"],
+        16,  # of 41 batches; checkpoint after 15 (37 %)
+        ["--devices", "1", "--workers", "1", "--batch-size", "1999"],
     ),
     (
         ["--devices", "1", "--workers", "0", "--batch-size", "2500"],
-        4,  # of 41 steps; checkpoint at 3
-        ["--devices", "2", "--workers", "2", "--batch-size", "2000", "--persistent"],
+        4,  # of 41 batches; checkpoint after 3
+        [*TWO_PERSISTENT, "--steps-in-configure"],  # sized after the restore, batch changed
     ),
     (
-        ["--devices", "2", "--workers", "2", "--batch-size", "1000", "--limit", "30"],
-        29,  # of 30 steps (the limit); checkpoint at 27
-        ["--devices", "2", "--workers", "1", "--batch-size", "1000", "--limit", "30"],
+        [*LIMITED, "--workers", "2"],
+        26,  # of 30 batches (the limit); checkpoint after 26 (step 13, 87 %)
+        [*LIMITED, "--workers", "1", "--steps-in-setup"],  # sized before the restore
     ),
 ]
 
@@ -267,18 +303,32 @@ KILLS = [  # (first run, kill after step, resumed run): 10 %, 37 % and 90 % of a
 def test_fit_killed_mid_epoch_and_resumed_reads_every_row_once(
     store: Path, tmp_path: Path, first: list[str], kill: int, then: list[str]
 ) -> None:
+    """The killed run's batches before its checkpoint and the resumed run's are the epoch's
+    sequence, every row once; the resumed epoch ends as Lightning ends an epoch (validation,
+    the epoch-interval scheduler), and the next epoch is whole."""
     killed, resumed = tmp_path / "killed", tmp_path / "resumed"
-    assert fit(store, killed, *first, "--kill-after-step", str(kill)) == -signal.SIGKILL
+    assert fit(store, killed, *first, "--kill-after-batch", str(kill)) == -signal.SIGKILL
     checkpoint = max((killed / "ckpt").glob("*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
-    saved = torch.load(checkpoint, weights_only=False)["global_step"]
+    loops = torch.load(checkpoint, weights_only=False)["loops"]["fit_loop"]
+    saved = loops["epoch_loop.batch_progress"]["current"]["processed"]  # Lightning's count
+    assert 0 < saved <= kill + 1
     assert fit(store, resumed, *then, "--ckpt", str(checkpoint)) == 0
     before, after = seen(killed), seen(resumed)
-    assert max(step for step, _ in before[0]) >= saved  # it read past the checkpoint
-    limit = then[then.index("--limit") + 1] if "--limit" in then else None
+    assert max(batch for batch, _ in before[0]) >= saved - 1  # read up to the kill
+    assert after[0][0][0] == saved  # Lightning counts the resumed epoch's batches on
+    limit = int(then[then.index("--limit") + 1]) if "--limit" in then else None
     for epoch in (0, 1):
         expected = truth(store, epoch)
-        if limit is not None:  # the limit in steps of the unchanged global batch
-            expected = expected[: int(limit) * 2000]
-        consumed = [rows for step, rows in before.get(epoch, []) if step < saved]
+        if limit is not None:  # the limit in batches of the unchanged global batch
+            expected = expected[: limit * 2000]
+        consumed = [rows for batch, rows in before.get(epoch, []) if batch < saved]
         consumed += [rows for _, rows in after[epoch]]
         assert flat(consumed) == expected, epoch  # every row once, in the sequence's order
+    events = (resumed / "events.txt").read_text().split("\n")
+    ends = [line.split() for line in events if line.startswith("end")]
+    assert [(int(e[1]), int(e[3])) for e in ends] == [
+        (0, after[0][-1][0] + 1),  # the resumed epoch reached its length
+        (1, len(after[1])),
+    ]
+    assert float(ends[1][2]) == float(ends[0][2]) / 2  # the scheduler stepped at epoch 0's end
+    assert [line for line in events if line.startswith("val")] == ["val 0", "val 1"]

@@ -123,7 +123,7 @@ class LocalShard(Shard):
         if not width or not len(offsets):
             return np.empty((len(offsets), width), dtype=np.uint8)
         with self._file() as fd:
-            if os.fstat(fd).st_size < int(offsets.max()) + width:
+            if offsets.min() < 0 or os.fstat(fd).st_size < int(offsets.max()) + width:
                 raise StoreError(f"shard {self} changed while it was read")
             with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
                 data = np.frombuffer(mapped, dtype=np.uint8)

@@ -7,12 +7,14 @@ coordinator that lets sessions on one model compose and stops forwards early
 (:mod:`~lightning_iocatch.capture.snapshots`, the GPU path in
 :mod:`~lightning_iocatch.capture.host_copy` and :mod:`~lightning_iocatch.capture.pinned_ring`),
 the settled read-only buffer (:mod:`~lightning_iocatch.capture.buffer`), the flat key of a
-captured value (:mod:`~lightning_iocatch.capture.keys`) and ``torch.compile`` support
-(:mod:`~lightning_iocatch.capture.compiled`).
+captured value (:mod:`~lightning_iocatch.capture.keys`), ``torch.compile`` support
+(:mod:`~lightning_iocatch.capture.compiled`) and edits of the forward
+(:mod:`~lightning_iocatch.capture.edits`).
 """
 
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher, module_index
+from lightning_iocatch.capture.edits import Edit, Mean, Patch, PatchWithin, Replace, Steer, Zero
 from lightning_iocatch.capture.keys import flatten_captures, flatten_value
 from lightning_iocatch.capture.snapshots import NotCaptured, snapshot, transfer_to_device
 from lightning_iocatch.capture.spec import CaptureSpec, format_io_spec, parse_io_spec
@@ -21,8 +23,15 @@ __all__ = [
     "CaptureBuffer",
     "CaptureSession",
     "CaptureSpec",
+    "Edit",
+    "Mean",
     "ModelIOCatcher",
     "NotCaptured",
+    "Patch",
+    "PatchWithin",
+    "Replace",
+    "Steer",
+    "Zero",
     "flatten_captures",
     "flatten_value",
     "format_io_spec",

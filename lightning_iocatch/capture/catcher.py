@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.coordinator import COORDINATOR, ForwardCoordinator
+from lightning_iocatch.capture.edits import Edit
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.spec import (
@@ -170,8 +171,10 @@ class ModelIOCatcher:
         outputs: Iterable[str] = (),
         early_exit: bool = False,
         transform: CaptureTransform | None = None,
+        edits: Iterable[Edit] = (),
     ) -> CaptureSession:
-        """Request a session capturing ``inputs`` and ``outputs`` (names or globs).
+        """Request a session capturing ``inputs`` and ``outputs`` (names or globs), and
+        applying ``edits`` (see :mod:`~lightning_iocatch.capture.edits`) while it is open.
 
         Use as ``with catcher(inputs=[...], outputs=[...]) as buf:``. Unknown names raise
         ``KeyError`` (``UnknownModuleError``) with close matches; a request that selects
@@ -189,16 +192,25 @@ class ModelIOCatcher:
         index = self._modules()
         resolved_in = resolve_names(inputs, list(index))
         resolved_out = resolve_names(outputs, list(index))
-        if not resolved_in and not resolved_out:
-            raise ValueError("the capture request selects no module: give `inputs` or `outputs`")
+        edits = list(edits)
+        for edit in edits:
+            if not isinstance(edit, Edit):
+                raise TypeError(f"`edits` takes Edit objects (Zero, Steer, ...), got {edit!r}")
+            if resolve_names([edit.module], list(index)) != [edit.module]:
+                raise ValueError(f"an edit names {edit.module!r}: give one module's exact name")
+        if not resolved_in and not resolved_out and not edits:
+            raise ValueError(
+                "the capture request selects no module: give `inputs`, `outputs` or `edits`"
+            )
         if transform is not None and not callable(getattr(transform, "capture", None)):
             raise TypeError(
                 "`transform` must have a `capture(tensor, site)` method (a CaptureTransform, "
                 f"such as TokenRows(...).select(batch)), got {type(transform).__name__}"
             )
-        modules = {name: index[name] for name in (*resolved_in, *resolved_out)}
+        names = (*resolved_in, *resolved_out, *(edit.module for edit in edits))
+        modules = {name: index[name] for name in names}
         self._requested = CaptureSession(
-            self, modules, resolved_in, resolved_out, early_exit, transform
+            self, modules, resolved_in, resolved_out, early_exit, transform, edits
         )
         return self._requested
 

@@ -11,7 +11,7 @@ it asked for (early exit).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.compiled import prepare_for_hooks
 from lightning_iocatch.capture.coordinator import ForwardCoordinator
+from lightning_iocatch.capture.edits import Edit, apply_edits
 from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
 from lightning_iocatch.errors import CaptureError
@@ -57,12 +58,15 @@ class CaptureSession:
         outputs: list[str],
         early_exit: bool,
         transform: CaptureTransform | None = None,
+        edits: Sequence[Edit] = (),
     ) -> None:
         self.catcher = catcher
         self.modules = modules
         self.inputs = inputs
         self.outputs = outputs
         self.early_exit = early_exit
+        self.edits = list(edits)
+        self._calls: dict[tuple[str, Kind], int] = {}  # calls in this forward, for edits
         self.buffer = CaptureBuffer.empty(dict.fromkeys([*inputs, *outputs]), transform)
         targets: list[tuple[str, Kind]] = [(n, "inputs") for n in inputs]
         targets += [(n, "outputs") for n in outputs]
@@ -96,13 +100,17 @@ class CaptureSession:
         self.catcher._session = self
         self.catcher.coordinator.open(self)
         self._pending = set(self._targets)
+        self._calls = {}
+        edited = {(edit.module, edit.kind) for edit in self.edits}
         try:
-            for name in self.inputs:
+            if self.edits:  # a forward of the model starts: edits count calls from 0
+                self._handles.append(self.root.register_forward_pre_hook(self._new_forward))
+            for name in dict.fromkeys([*self.inputs, *(n for n, k in edited if k == "inputs")]):
                 hook = _input_hook(self, name)
                 self._handles.append(
                     self.modules[name].register_forward_pre_hook(hook, with_kwargs=True)
                 )
-            for name in self.outputs:
+            for name in dict.fromkeys([*self.outputs, *(n for n, k in edited if k == "outputs")]):
                 hook = _output_hook(self, name)
                 self._handles.append(self.modules[name].register_forward_hook(hook))
         except BaseException:
@@ -152,6 +160,18 @@ class CaptureSession:
     def begin_forward(self) -> None:
         """A forward through the coordinator starts: every capture is pending again."""
         self._pending = set(self._targets)
+        self._calls = {}
+
+    def _new_forward(self, *_: Any) -> None:
+        self._calls = {}
+
+    def _edit(self, name: str, kind: Kind, value: Any) -> Any:
+        """``value`` with this session's edits of ``name``'s ``kind`` for this call applied
+        (``value`` itself when none applies)."""
+        call = self._calls.get((name, kind), 0)
+        self._calls[(name, kind)] = call + 1
+        mine = [edit for edit in self.edits if edit.module == name]
+        return apply_edits(mine, kind, value, call) if mine else value
 
     def _wants_call(self) -> bool:
         """Whether a hook of this session captures the call now (before anything is copied)."""
@@ -184,21 +204,31 @@ def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
+def _input_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
+    captures = name in session.inputs
+
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if _in_backward() or not session._wants_call():
-            return  # the forward continues with its own inputs (None: unchanged)
-        session._capture(name, "inputs", {"args": args, "kwargs": kwargs})
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _in_backward():
+            return None  # the forward continues with its own inputs (None: unchanged)
+        edited = session._edit(name, "inputs", (args, kwargs))
+        if captures and session._wants_call():
+            session._capture(name, "inputs", {"args": edited[0], "kwargs": edited[1]})
+        return None if edited[0] is args and edited[1] is kwargs else edited
 
     return hook
 
 
-def _output_hook(session: CaptureSession, name: str) -> Callable[..., None]:
+def _output_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
+    captures = name in session.outputs
+
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
-    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if _in_backward() or not session._wants_call():
-            return  # the forward continues with the module's own output (None: unchanged)
-        session._capture(name, "outputs", output)
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if _in_backward():
+            return None  # the forward continues with the module's own output (None: unchanged)
+        edited = session._edit(name, "outputs", output)
+        if captures and session._wants_call():
+            session._capture(name, "outputs", edited)
+        return None if edited is output else edited
 
     return hook

@@ -14,10 +14,10 @@ Token selection (:class:`~lightning_iocatch.store.tokens.TokenSelection`: a sequ
 tensor becomes the rows of its selected tokens) is such a transform; the capture engine
 knows it only through this protocol.
 
-Edits of the forward (interventions) come next through the same seam: the hooks are
-already the place where the value the forward continues with is decided (today always the
-module's own), and an edit will be a transform that also returns that value, at the same
-:class:`Site`.
+Edits of the forward (:mod:`~lightning_iocatch.capture.edits`) are decided in the same
+hooks, at the same place (a module, its inputs or outputs, a call): a session's edits give
+the value the forward continues with, and its captures read that value, through the
+batch's transform.
 
 Example:
     >>> import torch

@@ -1,0 +1,243 @@
+"""Edits: change a named module's output (or input) inside a capture session's forward.
+
+An :class:`Edit` says where (a module, its ``"outputs"`` or ``"inputs"``, which value of a
+tuple output or which argument, which call, which token positions) and how: zero or mean
+ablation, adding a steering vector, patching in other activations (given, or another sample
+of the same batch), or replacing the value by a function of it (a sparse autoencoder's
+reconstruction, optionally keeping its error term). A session applies its edits in its hooks,
+which return the edited value: the forward continues with it, exactly as a hand-written
+forward hook (or pre-hook) returning that value would. Edits exist only while the session is
+open (its hooks are removed on close, on exceptions too).
+
+**What a capture sees**: a capture of the same module and kind in the same session reads the
+value after the edit, the value the forward continues with (capture the module's input, or
+its unedited outputs in another session opened without the edit, for the value before).
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_iocatch.capture import ModelIOCatcher
+    >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    >>> catcher = ModelIOCatcher(net, "cpu")
+    >>> with catcher(outputs=["0"], edits=[Zero("0")]) as buf:
+    ...     out = net(torch.ones(4, 2))
+    >>> bool((buf["0"]["outputs"][0] == 0).all()), torch.allclose(out, net[2].bias.expand(4, 1))
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lightning_iocatch.capture.transform import Kind
+
+__all__ = ["Edit", "Mean", "Patch", "PatchWithin", "Replace", "Steer", "Zero", "apply_edits"]
+
+
+class Edit:
+    """Where an edit applies; subclasses say how (:meth:`edit`).
+
+    Args:
+        module: the module's name (exact, as ``ModelIOCatcher`` resolves names).
+        kind: ``"outputs"`` (a forward hook's value) or ``"inputs"`` (a pre-hook's).
+        call: which call of the module in a forward (0 first); ``None``: every call.
+        argument: outputs: the place of the tensor in a tuple output (default 0; a tensor
+            output is itself); inputs: a positional index or a keyword's name (default: the
+            first positional argument, or else the first tensor keyword argument).
+        positions: a boolean mask over the value's leading dimensions (``[batch, seq]``
+            for a language model's ``[batch, seq, d]``): only those places are edited.
+    """
+
+    def __init__(
+        self,
+        module: str,
+        *,
+        kind: Kind = "outputs",
+        call: int | None = None,
+        argument: int | str | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        if kind not in ("inputs", "outputs"):
+            raise ValueError(f"`kind` must be 'inputs' or 'outputs', got {kind!r}")
+        if positions is not None and positions.dtype != torch.bool:
+            raise TypeError(f"`positions` must be a boolean mask, got {positions.dtype}")
+        self.module, self.kind, self.call = module, kind, call
+        self.argument, self.positions = argument, positions
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.module!r}, kind={self.kind!r}, call={self.call})"
+
+    def edit(self, value: torch.Tensor) -> torch.Tensor:
+        """The edited value (everywhere; :meth:`apply` keeps ``positions``)."""
+        raise NotImplementedError
+
+    def apply(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` edited where ``positions`` says (everywhere without it)."""
+        edited = self.edit(value)
+        if self.positions is None:
+            return edited
+        mask = self.positions.to(value.device)
+        if tuple(mask.shape) != tuple(value.shape[: mask.dim()]):
+            raise ValueError(
+                f"`positions` of shape {tuple(mask.shape)} do not fit {self.module!r}'s "
+                f"{self.kind} of shape {tuple(value.shape)}: give a mask over its leading "
+                "dimensions"
+            )
+        mask = mask.reshape(*mask.shape, *([1] * (value.dim() - mask.dim())))
+        return torch.where(mask, edited, value)
+
+
+class Zero(Edit):
+    """Zero ablation: the value becomes zeros."""
+
+    def edit(self, value: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(value)
+
+
+class Mean(Edit):
+    """Mean ablation: the value becomes ``mean`` (broadcast over the leading dimensions)."""
+
+    def __init__(self, module: str, mean: torch.Tensor, **where: Any) -> None:
+        super().__init__(module, **where)
+        self.mean = mean
+
+    def edit(self, value: torch.Tensor) -> torch.Tensor:
+        mean = self.mean
+        return mean.to(device=value.device, dtype=value.dtype).expand_as(value).clone()
+
+
+class Steer(Edit):
+    """Steering: ``alpha * vector`` added to the value."""
+
+    def __init__(self, module: str, vector: torch.Tensor, alpha: float = 1.0, **where: Any):
+        super().__init__(module, **where)
+        self.vector = vector
+        self.alpha = alpha
+
+    def edit(self, value: torch.Tensor) -> torch.Tensor:
+        vector = self.vector
+        return value + self.alpha * vector.to(device=value.device, dtype=value.dtype)
+
+
+class Patch(Edit):
+    """Activation patching: the value becomes ``source`` (e.g. a clean run's activations,
+    read from a store for the batch's samples), of the value's shape."""
+
+    def __init__(self, module: str, source: torch.Tensor, **where: Any) -> None:
+        super().__init__(module, **where)
+        self.source = source
+
+    def edit(self, value: torch.Tensor) -> torch.Tensor:
+        source = self.source
+        if tuple(source.shape) != tuple(value.shape):
+            raise ValueError(
+                f"a patch of shape {tuple(source.shape)} for {self.module!r}'s {self.kind} of "
+                f"shape {tuple(value.shape)}: they must be equal"
+            )
+        return source.to(device=value.device, dtype=value.dtype)
+
+
+class PatchWithin(Edit):
+    """Patching from the same batch: sample ``i`` takes sample ``pairing[i]``'s value."""
+
+    def __init__(self, module: str, pairing: Sequence[int] | torch.Tensor, **where: Any):
+        super().__init__(module, **where)
+        self.pairing = torch.as_tensor(pairing, dtype=torch.long)
+
+    def edit(self, value: torch.Tensor) -> torch.Tensor:
+        pairing = self.pairing
+        if len(pairing) != len(value):
+            raise ValueError(
+                f"`pairing` has {len(pairing)} entries for a batch of {len(value)} samples"
+            )
+        return value[pairing.to(value.device)]
+
+
+class Replace(Edit):
+    """The value replaced by ``function(value)``, e.g. a sparse autoencoder's reconstruction
+    with some latents changed; with ``baseline`` (e.g. its unchanged reconstruction),
+    ``function(value) + (value - baseline(value))``: the error term is kept, so only what
+    ``function`` changes differs from the model's own value."""
+
+    def __init__(
+        self,
+        module: str,
+        function: Callable[[torch.Tensor], torch.Tensor],
+        baseline: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        **where: Any,
+    ) -> None:
+        super().__init__(module, **where)
+        self.function = function
+        self.baseline = baseline
+
+    def edit(self, value: torch.Tensor) -> torch.Tensor:
+        function = self.function
+        baseline = self.baseline
+        edited = function(value)
+        return edited if baseline is None else edited + (value - baseline(value))
+
+
+def apply_edits(edits: Sequence[Edit], kind: Kind, value: Any, call: int) -> Any:
+    """``value`` (a module's output, or ``(args, kwargs)`` of its call) with ``edits`` of
+    ``kind`` for call ``call`` applied in order; ``value`` itself when none applies."""
+    mine = [edit for edit in edits if edit.kind == kind and edit.call in (None, call)]
+    if not mine:
+        return value
+    if kind == "outputs":
+        return _edit_outputs(mine, value)
+    args, kwargs = value
+    args, kwargs = list(args), dict(kwargs)
+    for edit in mine:
+        where: int | str | None = edit.argument
+        if where is None:
+            where = (
+                0
+                if args
+                else next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+            )
+        if isinstance(where, int) and where < len(args):
+            args[where] = edit.apply(_tensor(args[where], edit))
+        elif isinstance(where, str) and where in kwargs:
+            kwargs[where] = edit.apply(_tensor(kwargs[where], edit))
+        else:
+            raise ValueError(
+                f"{edit.module!r} was called with {len(args)} positional argument(s) and "
+                f"keywords {sorted(kwargs)}: no argument {where!r} to edit; give "
+                "`argument=` a position or a keyword's name"
+            )
+    return tuple(args), kwargs
+
+
+def _edit_outputs(edits: Sequence[Edit], output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        for edit in edits:
+            if edit.argument not in (None, 0):
+                raise ValueError(f"{edit.module!r} returns one tensor: `argument` must be 0")
+            output = edit.apply(output)
+        return output
+    if isinstance(output, (tuple, list)):
+        parts = list(output)
+        for edit in edits:
+            place = 0 if edit.argument is None else edit.argument
+            if not isinstance(place, int) or not 0 <= place < len(parts):
+                raise ValueError(
+                    f"{edit.module!r} returns {len(parts)} values: `argument` must be a "
+                    f"place among them, got {place!r}"
+                )
+            parts[place] = edit.apply(_tensor(parts[place], edit))
+        return type(output)(parts) if isinstance(output, list) else tuple(parts)
+    raise TypeError(
+        f"{edits[0].module!r} returns a {type(output).__name__}: edits take a tensor or a "
+        "tuple of values"
+    )
+
+
+def _tensor(value: Any, edit: Edit) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"the {edit.kind} of {edit.module!r} edited is a {type(value).__name__}, not a tensor"
+        )
+    return value

@@ -219,17 +219,18 @@ class ModelIOCatcher:
         spec: str | CaptureSpec,
         early_exit: bool = False,
         transform: CaptureTransform | None = None,
+        edits: Iterable[Edit] = (),
     ) -> CaptureSession:
         """Request a session from a spec string such as ``"outputs[model.layers.5]"``.
 
-        Same as ``catcher(inputs=..., outputs=..., early_exit=..., transform=...)`` with the
-        names of the spec. Malformed specs raise ``SpecError``; a spec that selects nothing
+        Same as ``catcher(inputs=..., outputs=..., early_exit=..., transform=..., edits=...)``
+        with the names of the spec. Malformed specs raise ``SpecError``; a spec that selects nothing
         raises ``ValueError``; unknown names raise ``KeyError`` (``UnknownModuleError``).
         """
         parsed = spec if isinstance(spec, CaptureSpec) else CaptureSpec.parse(spec)
         if parsed.is_empty:
             raise ValueError(f"capture spec {parsed.to_string() or spec!r} selects no module")
-        return self(parsed.inputs, parsed.outputs, early_exit, transform)
+        return self(parsed.inputs, parsed.outputs, early_exit, transform, edits)
 
     def for_product(self, spec: str | CaptureSpec, early_exit: bool = True) -> CaptureSession:
         """Deprecated name of :meth:`from_spec`, which defaults to ``early_exit=False``.

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +74,23 @@ class Edit:
     def edit(self, value: torch.Tensor) -> torch.Tensor:
         """The edited value (everywhere; :meth:`apply` keeps ``positions``)."""
         raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """What this edit is, as JSON (a store records the edits its rows were captured
+        under): its kind and place, each tensor by shape, dtype and a digest of its bytes,
+        each function by its qualified name."""
+        described: dict[str, Any] = {"edit": type(self).__name__}
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                data = value.detach().cpu().contiguous()
+                digest = hashlib.blake2b(data.view(torch.uint8).numpy().tobytes(), digest_size=16)
+                value = {"shape": list(data.shape), "dtype": str(data.dtype).removeprefix("torch."),
+                         "blake2b": digest.hexdigest()}  # fmt: skip
+            elif callable(value):
+                named = getattr(value, "__qualname__", type(value).__qualname__)
+                value = f"{getattr(value, '__module__', type(value).__module__)}.{named}"
+            described[name] = value
+        return described
 
     def apply(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` edited where ``positions`` says (everywhere without it)."""

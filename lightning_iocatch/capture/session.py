@@ -148,6 +148,7 @@ class CaptureSession:
         """
         taken = self.buffer
         self.buffer = CaptureBuffer.empty(taken._data, transform)
+        self._calls = {}  # a batch's forward starts: edits count calls from 0
         taken.settle()
         return taken
 

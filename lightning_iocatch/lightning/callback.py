@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher
+from lightning_iocatch.capture.edits import Edit
 from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.checks import (
     check_bool,
@@ -70,6 +71,9 @@ class IOCaptureCallback(Callback):
         capture_sanity_check: also capture the sanity-check validation before fitting.
         pinned_memory_bytes: cap of the pinned host memory that asynchronous CUDA-to-CPU
             copies use (``0``: copy synchronously); see :class:`ModelIOCatcher`.
+        edits: edits of the forward (:mod:`lightning_iocatch.capture.edits`; names as in
+            the spec) applied in every captured stage; a writer's store records them, and a
+            resume under other edits is refused.
 
     After a run, ``callback.captures[stage][dataloader_idx][name]["outputs"]`` holds one
     entry per call (the reference buffer layout), and
@@ -112,6 +116,7 @@ class IOCaptureCallback(Callback):
         keep_in_memory: bool | None = None,
         capture_sanity_check: bool = False,
         pinned_memory_bytes: int = 256 << 20,
+        edits: Sequence[Edit] = (),
     ) -> None:
         if not isinstance(spec, str):
             raise TypeError(
@@ -151,7 +156,7 @@ class IOCaptureCallback(Callback):
                     "`writer` dumps the predict loop, but `stages` has no 'predict': add it"
                 )
             sinks = [writer, *sinks]
-        for argument, value in (("probes", probes), ("sinks", sinks)):
+        for argument, value in (("probes", probes), ("sinks", sinks), ("edits", edits)):
             if not isinstance(value, (list, tuple)):
                 raise TypeError(f"`{argument}` must be a list, got {type(value).__name__}")
         self.probes = ProbeSink(probes) if probes else None
@@ -181,8 +186,14 @@ class IOCaptureCallback(Callback):
         self._leave_route: Callable[[], None] | None = None
         self._skip_step = False
         self._indexer: BatchIndexer | None = None
+        if not all(isinstance(edit, Edit) for edit in edits):
+            raise TypeError("`edits` takes Edit objects (Zero, Steer, ...)")
+        self.edits = list(edits)
         self._token_rows = writers_tokens(sinks)
-        bind_writers(self, self.spec.to_string(), sinks)  # last: a refused callback binds none
+        described = [edit.describe() for edit in self.edits] or None
+        bind_writers(
+            self, self.spec.to_string(), sinks, described
+        )  # last: a refused callback binds none
 
     @property
     @override
@@ -208,7 +219,7 @@ class IOCaptureCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "validate" in self.stages:
-            self._catcher_for(pl_module).from_spec(self.spec)  # unknown names fail here
+            self._catcher_for(pl_module).from_spec(self.spec, edits=self.edits)  # names checked
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -319,7 +330,7 @@ class IOCaptureCallback(Callback):
         self._close()  # a loop that never reached its end hook leaves nothing behind
         catcher = self._catcher_for(pl_module)
         early_exit = self.early_exit and stage == "predict"
-        session = catcher.from_spec(self.spec, early_exit=early_exit)
+        session = catcher.from_spec(self.spec, early_exit=early_exit, edits=self.edits)
         for sink in self._sinks:
             sink.on_loop_start(trainer, pl_module, stage)
         session.open()

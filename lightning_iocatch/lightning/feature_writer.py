@@ -156,6 +156,7 @@ class FeatureWriter(CaptureSink):
             raise TypeError(f"`tokens` must be a TokenRows or None, got {type(tokens).__name__}")
         self.tokens = tokens
         self._spec: str | None = None
+        self.edits: list[Any] | None = None  # the callback's edits, described
         self._owner: object | None = None  # the IOCaptureCallback it belongs to
         self._dumped = False  # one writer, one dump
         self._core: ShardWriter | None = None
@@ -263,13 +264,15 @@ class FeatureWriter(CaptureSink):
         local: BaseException | None = None
         outcome: StorePlan | str | None = None
         if trainer.global_rank == 0:
-            settings = {
+            settings: dict[str, Any] = {
                 "spec": self.spec,
                 "stage": self.stage,
                 "dtype": str(self.dtype).removeprefix("torch.") if self.dtype else None,
                 "tokens": self.tokens.settings() if self.tokens else None,
                 "world_size": trainer.world_size,
             }
+            if self.edits is not None:  # only then: stores of dumps without edits resume
+                settings["edits"] = self.edits
             try:
                 outcome = prepare_store(self.backend, self.mode, settings)
             except Exception as error:  # raised below, on every rank
@@ -329,9 +332,11 @@ class FeatureWriter(CaptureSink):
             self._bytes_before += core.bytes_written
 
 
-def bind_writers(owner: object, spec: str, sinks: Sequence[CaptureSink]) -> None:
+def bind_writers(
+    owner: object, spec: str, sinks: Sequence[CaptureSink], edits: list[Any] | None = None
+) -> None:
     """Make the writers among ``sinks`` belong to the callback ``owner``, which captures
-    ``spec``, or refuse before binding any of them."""
+    ``spec`` under ``edits`` (described), or refuse before binding any of them."""
     writers = [sink for sink in sinks if isinstance(sink, FeatureWriter)]
     if len({id(writer) for writer in writers}) < len(writers):
         raise ValueError(
@@ -342,6 +347,7 @@ def bind_writers(owner: object, spec: str, sinks: Sequence[CaptureSink]) -> None
         writer.check_unbound()
     for writer in writers:
         writer.bind(owner, spec)
+        writer.edits = edits
 
 
 def writers_tokens(sinks: Sequence[CaptureSink]) -> TokenRows | None:

@@ -134,7 +134,7 @@ def _resume(backend: StoreBackend, settings: Mapping[str, Any]) -> StorePlan:
             f"nothing to resume in {backend}: it holds no {STORE_FILE}; use mode='create'"
         )
     info = backend.read_info()
-    for name in ("spec", "stage", "dtype", "tokens"):
+    for name in ("spec", "stage", "dtype", "tokens", "edits"):
         had, now = info.get(name), settings.get(name)
         if name == "spec" and (had is None or now is None):
             continue  # a writer used without IOCaptureCallback knows no spec

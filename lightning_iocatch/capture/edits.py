@@ -83,9 +83,12 @@ class Edit:
         for name, value in vars(self).items():
             if isinstance(value, torch.Tensor):
                 data = value.detach().cpu().contiguous()
-                digest = hashlib.blake2b(data.view(torch.uint8).numpy().tobytes(), digest_size=16)
-                value = {"shape": list(data.shape), "dtype": str(data.dtype).removeprefix("torch."),
-                         "blake2b": digest.hexdigest()}  # fmt: skip
+                raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
+                value = {
+                    "shape": list(data.shape),
+                    "dtype": str(data.dtype).removeprefix("torch."),
+                    "blake2b": hashlib.blake2b(raw, digest_size=16).hexdigest(),
+                }
             elif callable(value):
                 named = getattr(value, "__qualname__", type(value).__qualname__)
                 value = f"{getattr(value, '__module__', type(value).__module__)}.{named}"

@@ -367,6 +367,19 @@ class FeatureStore:
             return every, parts[0]  # memory-mapped, no copy
         return every[order], torch.cat(parts)[order]
 
+    def mean(self, key: str) -> torch.Tensor:
+        """The mean row of ``key`` over its rows (each sample once), accumulated in float64
+        one stored batch at a time; e.g. for ``Mean(module, store.mean(key))`` ablation, or
+        ``Steer(module, a.mean(key) - b.mean(key))``."""
+        self._check_key(key)
+        self._refuse_unless_rows(key)
+        total, count = torch.zeros(self._shape(key) or (), dtype=torch.float64), 0
+        for batch, _, tensor in self._stored(key):
+            rows = batch.kept(tensor)
+            total += rows.to(torch.float64).sum(0)
+            count += len(rows)
+        return total / count
+
     def __getitem__(self, key: str) -> torch.Tensor:
         """All rows of ``key`` in dataset-index order (memory-mapped for a single batch).
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,3 +72,22 @@ def test_an_edit_naming_no_module_is_refused_before_the_loop() -> None:
         trainer([callback]).predict(TinyModule(), loader(), return_predictions=False)
     with pytest.raises(TypeError, match="takes Edit objects"):
         IOCaptureCallback("outputs[model.layers.2]", edits=["model.layers.0"])  # type: ignore[list-item]
+
+
+def test_a_store_mean_for_mean_ablation_and_a_steering_vector_between_two_stores(
+    tmp_path: Path,
+) -> None:
+    """``store.mean(key)`` against NumPy in float64; then a dump steered by the difference
+    of two dumps' means at layer 0 equals the hand-written hook adding that difference."""
+    torch.manual_seed(0)
+    module = TinyModule()
+    dump(module, tmp_path / "clean", [])
+    dump(module, tmp_path / "zeroed", [Zero("model.layers.0")])
+    clean, zeroed = FeatureStore(tmp_path / "clean"), FeatureStore(tmp_path / "zeroed")
+    mean = clean.mean(KEY)
+    assert mean.dtype == torch.float64
+    expected = clean[KEY].numpy().astype(np.float64).mean(0)
+    np.testing.assert_allclose(mean.numpy(), expected, rtol=1e-13, atol=0)
+    vector = (clean.mean(KEY) - zeroed.mean(KEY)).float()
+    dump(module, tmp_path / "steered", [Steer("model.layers.0", vector)])
+    assert torch.equal(FeatureStore(tmp_path / "steered")[KEY], truth(module, vector))

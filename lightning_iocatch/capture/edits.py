@@ -9,9 +9,19 @@ which return the edited value: the forward continues with it, exactly as a hand-
 forward hook (or pre-hook) returning that value would. Edits exist only while the session is
 open (its hooks are removed on close, on exceptions too).
 
-**What a capture sees**: a capture of the same module and kind in the same session reads the
-value after the edit, the value the forward continues with (capture the module's input, or
-its unedited outputs in another session opened without the edit, for the value before).
+**What a capture sees**: a session's edit hooks run before every other hook of the module,
+so every capture of it, by any session, reads the value after the edits: the value the
+forward continues with (capture the module's inputs for what it computed from). Edits of
+two sessions on one module compose, the later-opened session's first. Activation
+checkpointing recomputes a forward during backward: the same edits apply there, so that
+gradients are those of the edited forward. A session whose edits were never applied in
+the forwards of its model (the module never ran, or not at the call asked for) warns as it
+closes. Not detected: a model compiled outside the catcher's model before the session
+opened, whose compiled code does not see hooks added later (nor the model's own forward).
+
+**Rounding**: ``Steer`` adds in float32 (or the value's dtype, if wider) and rounds once to
+the value's dtype, as ``(h.float() + alpha * v.float()).to(h.dtype)`` does; ``Mean``,
+``Patch`` and ``Replace`` give values of the value's dtype and shape.
 
 Example:
     >>> import torch
@@ -44,7 +54,9 @@ class Edit:
     Args:
         module: the module's name (exact, as ``ModelIOCatcher`` resolves names).
         kind: ``"outputs"`` (a forward hook's value) or ``"inputs"`` (a pre-hook's).
-        call: which call of the module in a forward (0 first); ``None``: every call.
+        call: which call of the module (0 first) since the catcher's model (for
+            ``IOCaptureCallback``: the LightningModule, ``self(...)``) last started a forward,
+            or a batch started, whichever came last; ``None``: every call.
         argument: outputs: the place of the tensor in a tuple output (default 0; a tensor
             output is itself); inputs: a positional index or a keyword's name (default: the
             first positional argument, or else the first tensor keyword argument).
@@ -78,7 +90,8 @@ class Edit:
     def describe(self) -> dict[str, Any]:
         """What this edit is, as JSON (a store records the edits its rows were captured
         under): its kind and place, each tensor by shape, dtype and a digest of its bytes,
-        each function by its qualified name."""
+        each module (or a module's method) by its name and a digest of its weights, any
+        other function by its qualified name only."""
         described: dict[str, Any] = {"edit": type(self).__name__}
         for name, value in vars(self).items():
             if isinstance(value, torch.Tensor):
@@ -88,6 +101,17 @@ class Edit:
                     "shape": list(data.shape),
                     "dtype": str(data.dtype).removeprefix("torch."),
                     "blake2b": hashlib.blake2b(raw, digest_size=16).hexdigest(),
+                }
+            elif isinstance(getattr(value, "__self__", value), torch.nn.Module):
+                module = getattr(value, "__self__", value)  # a module, or its bound method
+                weights = b"".join(
+                    t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                    for t in module.state_dict().values()
+                )
+                named = getattr(value, "__qualname__", type(value).__qualname__)
+                value = {
+                    "function": f"{type(module).__module__}.{named}",
+                    "weights_blake2b": hashlib.blake2b(weights, digest_size=16).hexdigest(),
                 }
             elif callable(value):
                 named = getattr(value, "__qualname__", type(value).__qualname__)
@@ -139,8 +163,9 @@ class Steer(Edit):
         self.alpha = alpha
 
     def edit(self, value: torch.Tensor) -> torch.Tensor:
-        vector = self.vector
-        return value + self.alpha * vector.to(device=value.device, dtype=value.dtype)
+        wide = torch.promote_types(value.dtype, torch.float32)
+        vector = self.vector.to(device=value.device, dtype=wide)
+        return (value.to(wide) + self.alpha * vector).to(value.dtype)
 
 
 class Patch(Edit):
@@ -158,7 +183,8 @@ class Patch(Edit):
                 f"a patch of shape {tuple(source.shape)} for {self.module!r}'s {self.kind} of "
                 f"shape {tuple(value.shape)}: they must be equal"
             )
-        return source.to(device=value.device, dtype=value.dtype)
+        patched = source.to(device=value.device, dtype=value.dtype)
+        return patched.clone() if patched is source else patched  # never the user's own
 
 
 class PatchWithin(Edit):
@@ -198,7 +224,14 @@ class Replace(Edit):
         function = self.function
         baseline = self.baseline
         edited = function(value)
-        return edited if baseline is None else edited + (value - baseline(value))
+        if baseline is not None:
+            edited = edited + (value - baseline(value))
+        if tuple(edited.shape) != tuple(value.shape):
+            raise ValueError(
+                f"Replace's function gave {tuple(edited.shape)} for {self.module!r}'s "
+                f"{self.kind} of shape {tuple(value.shape)}: they must be equal"
+            )
+        return edited.to(value.dtype)
 
 
 def apply_edits(edits: Sequence[Edit], kind: Kind, value: Any, call: int) -> Any:
@@ -249,7 +282,9 @@ def _edit_outputs(edits: Sequence[Edit], output: Any) -> Any:
                     f"place among them, got {place!r}"
                 )
             parts[place] = edit.apply(_tensor(parts[place], edit))
-        return type(output)(parts) if isinstance(output, list) else tuple(parts)
+        if isinstance(output, list):
+            return parts
+        return type(output)(*parts) if hasattr(output, "_fields") else tuple(parts)
     raise TypeError(
         f"{edits[0].module!r} returns a {type(output).__name__}: edits take a tensor or a "
         "tuple of values"

@@ -11,6 +11,7 @@ it asked for (early exit).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -67,6 +68,7 @@ class CaptureSession:
         self.early_exit = early_exit
         self.edits = list(edits)
         self._calls: dict[tuple[str, Kind], int] = {}  # calls in this forward, for edits
+        self._applied = self._forwards = 0  # calls an edit changed; forwards of the model
         self.buffer = CaptureBuffer.empty(dict.fromkeys([*inputs, *outputs]), transform)
         targets: list[tuple[str, Kind]] = [(n, "inputs") for n in inputs]
         targets += [(n, "outputs") for n in outputs]
@@ -100,17 +102,18 @@ class CaptureSession:
         self.catcher._session = self
         self.catcher.coordinator.open(self)
         self._pending = set(self._targets)
-        self._calls = {}
-        edited = {(edit.module, edit.kind) for edit in self.edits}
+        self._calls, self._applied, self._forwards = {}, 0, 0
         try:
             if self.edits:  # a forward of the model starts: edits count calls from 0
                 self._handles.append(self.root.register_forward_pre_hook(self._new_forward))
-            for name in dict.fromkeys([*self.inputs, *(n for n, k in edited if k == "inputs")]):
+            for name, kind in dict.fromkeys((edit.module, edit.kind) for edit in self.edits):
+                self._handles.append(_edit_hook(self, name, kind))  # before every capture
+            for name in self.inputs:
                 hook = _input_hook(self, name)
                 self._handles.append(
                     self.modules[name].register_forward_pre_hook(hook, with_kwargs=True)
                 )
-            for name in dict.fromkeys([*self.outputs, *(n for n, k in edited if k == "outputs")]):
+            for name in self.outputs:
                 hook = _output_hook(self, name)
                 self._handles.append(self.modules[name].register_forward_hook(hook))
         except BaseException:
@@ -129,6 +132,13 @@ class CaptureSession:
         if self.catcher._session is self:
             self.catcher._session = None
         self.catcher.coordinator.close(self)
+        if handles and self.edits and self._forwards and not self._applied:
+            warnings.warn(
+                f"the edits of this session ({self.edits}) were never applied in its "
+                f"{self._forwards} forward(s): no forward called an edited module (at the "
+                "call asked for)",
+                stacklevel=2,
+            )
         self.buffer.settle()
 
     def take(self, transform: CaptureTransform | None = None) -> CaptureBuffer:
@@ -165,14 +175,26 @@ class CaptureSession:
 
     def _new_forward(self, *_: Any) -> None:
         self._calls = {}
+        self._forwards += 1
 
     def _edit(self, name: str, kind: Kind, value: Any) -> Any:
         """``value`` with this session's edits of ``name``'s ``kind`` for this call applied
-        (``value`` itself when none applies)."""
+        (``value`` itself when none applies). Activation checkpointing recomputes a forward
+        during backward: the same edits apply there, so that gradients are those of the
+        edited forward (an edit of one call cannot tell its call there: refused)."""
+        mine = [edit for edit in self.edits if edit.module == name and edit.kind == kind]
+        if _in_backward():
+            if any(edit.call is not None for edit in mine):
+                raise CaptureError(
+                    f"{name!r} is recomputed by activation checkpointing during backward, "
+                    "where its call cannot be told: an edit with `call=` cannot apply there; "
+                    "edit every call, or do not checkpoint that module"
+                )
+            return apply_edits(mine, kind, value, 0)
         call = self._calls.get((name, kind), 0)
         self._calls[(name, kind)] = call + 1
-        mine = [edit for edit in self.edits if edit.module == name]
-        return apply_edits(mine, kind, value, call) if mine else value
+        self._applied += any(edit.call in (None, call) for edit in mine)
+        return apply_edits(mine, kind, value, call)
 
     def _wants_call(self) -> bool:
         """Whether a hook of this session captures the call now (before anything is copied)."""
@@ -205,31 +227,42 @@ def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-def _input_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
-    captures = name in session.inputs
+def _edit_hook(session: CaptureSession, name: str, kind: Kind) -> RemovableHandle:
+    """The hook that applies ``session``'s edits of ``name``'s ``kind``, registered first
+    among the module's hooks: every capture, of any session, reads the edited value."""
+    module = session.modules[name]
 
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _in_backward():
-            return None  # the forward continues with its own inputs (None: unchanged)
-        edited = session._edit(name, "inputs", (args, kwargs))
-        if captures and session._wants_call():
-            session._capture(name, "inputs", {"args": edited[0], "kwargs": edited[1]})
-        return None if edited[0] is args and edited[1] is kwargs else edited
+    def edit_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        value = (args, kwargs)
+        edited = session._edit(name, "inputs", value)
+        return None if edited is value else edited
+
+    @torch.compiler.disable
+    def edit_outputs(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        edited = session._edit(name, "outputs", output)
+        return None if edited is output else edited
+
+    if kind == "inputs":
+        return module.register_forward_pre_hook(edit_inputs, with_kwargs=True, prepend=True)
+    return module.register_forward_hook(edit_outputs, prepend=True)
+
+
+def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
+    @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _in_backward() or not session._wants_call():
+            return  # the forward continues with its own inputs (None: unchanged)
+        session._capture(name, "inputs", {"args": args, "kwargs": kwargs})
 
     return hook
 
 
-def _output_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
-    captures = name in session.outputs
-
+def _output_hook(session: CaptureSession, name: str) -> Callable[..., None]:
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
-    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if _in_backward():
-            return None  # the forward continues with the module's own output (None: unchanged)
-        edited = session._edit(name, "outputs", output)
-        if captures and session._wants_call():
-            session._capture(name, "outputs", edited)
-        return None if edited is output else edited
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if _in_backward() or not session._wants_call():
+            return  # the forward continues with the module's own output (None: unchanged)
+        session._capture(name, "outputs", output)
 
     return hook

@@ -8,6 +8,7 @@ down, whichever comes first.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -191,6 +192,12 @@ class IOCaptureCallback(Callback):
         self.edits = list(edits)
         self._token_rows = writers_tokens(sinks)
         described = [edit.describe() for edit in self.edits] or None
+        try:  # a store records them as JSON
+            json.dumps(described, allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"`edits` must describe themselves as JSON for a store to record them: {error}"
+            ) from error
         bind_writers(
             self, self.spec.to_string(), sinks, described
         )  # last: a refused callback binds none

@@ -9,6 +9,7 @@ Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -78,7 +79,7 @@ def prepare_store(
     ``"create"`` needs an empty or missing directory (or one holding only what a start that
     never committed anything left); ``"overwrite"`` deletes the store's own files there
     (nothing else); ``"resume"`` needs a store written with the same ``settings``
-    (``spec``, ``stage``, ``dtype``, ``tokens``; ``world_size`` may differ), completes or
+    (``spec``, ``stage``, ``dtype``, ``tokens``, ``edits``; ``world_size`` may differ), completes or
     cuts the ledgers' last lines, deletes the debris of the interrupted run, and finds which
     dataset indices are committed (from the records' index summaries; the indices of a
     batch are read only where its summary cannot tell). ``settings`` go into a new ``store.json``.
@@ -135,7 +136,7 @@ def _resume(backend: StoreBackend, settings: Mapping[str, Any]) -> StorePlan:
         )
     info = backend.read_info()
     for name in ("spec", "stage", "dtype", "tokens", "edits"):
-        had, now = info.get(name), settings.get(name)
+        had, now = info.get(name), json.loads(json.dumps(settings.get(name)))  # as read back
         if name == "spec" and (had is None or now is None):
             continue  # a writer used without IOCaptureCallback knows no spec
         if had != now and _never_committed(backend.names()):  # nothing depends on them

@@ -378,6 +378,8 @@ class FeatureStore:
             rows = batch.kept(tensor)
             total += rows.to(torch.float64).sum(0)
             count += len(rows)
+        if not count:
+            raise StoreError(f"{key!r} has no rows in {self.path}: it has no mean")
         return total / count
 
     def __getitem__(self, key: str) -> torch.Tensor:

@@ -18,6 +18,7 @@ from transformers import GPT2Config, GPT2Model, LlamaConfig, LlamaModel
 
 from lightning_iocatch.capture import ModelIOCatcher
 from lightning_iocatch.capture.edits import Mean, Patch, PatchWithin, Replace, Steer, Zero
+from lightning_iocatch.errors import CaptureError
 
 WIDTH = 32
 
@@ -211,3 +212,96 @@ def test_edits_are_removed_on_exceptions_and_bad_edits_are_named() -> None:
         with pytest.raises(ValueError, match=match), catcher(edits=[edit]):
             net(x)
     assert torch.equal(net(x), clean)
+
+
+# What a cold review found: each test failed before its fix
+
+
+def test_checkpointing_recomputes_with_the_edits_so_gradients_are_the_edited_forwards() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(3)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    head = nn.Linear(4, 1)
+    x = torch.randn(5, 4)
+
+    def loss() -> torch.Tensor:
+        return head(checkpoint(block, x, use_reentrant=False)).pow(2).sum()
+
+    def gradients() -> list[torch.Tensor]:
+        block.zero_grad()
+        loss().backward()
+        return [p.grad.clone() for p in block.parameters()]  # type: ignore[union-attr]
+
+    handle = block[0].register_forward_hook(lambda m, a, out: out + VECTOR[:4])
+    truth = gradients()  # the hand-written hook runs in the recompute too
+    handle.remove()
+    with ModelIOCatcher(block, "cpu")(edits=[Steer("0", VECTOR[:4])]):
+        edited = gradients()
+    assert all(torch.equal(a, b) for a, b in zip(edited, truth, strict=True))
+    timed = ModelIOCatcher(block, "cpu")(edits=[Steer("0", VECTOR[:4], call=0)])
+    with pytest.raises(CaptureError, match="recomputed by activation checkpointing"), timed:
+        gradients()
+
+
+def test_a_patch_never_hands_the_model_the_users_tensor() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    source = -torch.ones(3, 4)
+    with torch.no_grad(), ModelIOCatcher(net, "cpu")(edits=[Patch("0", source)]):
+        first, second = net(torch.randn(3, 4)), net(torch.randn(3, 4))
+    assert bool((source == -1).all()) and torch.equal(first, second)  # the ReLU was in place
+
+
+def test_every_capture_reads_the_edited_value_whichever_session_opened_first() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    expected = net[0](x) + 1.0
+    for capture_first in (True, False):
+        reader, editor = ModelIOCatcher(net, "cpu"), ModelIOCatcher(net, "cpu")
+        sessions = [reader(outputs=["0"]), editor(edits=[Steer("0", torch.ones(4))])]
+        for session in sessions if capture_first else sessions[::-1]:
+            session.open()
+        with torch.no_grad():
+            net(x)
+        for session in sessions:
+            session.close()
+        assert torch.allclose(sessions[0].buffer["0"]["outputs"][0], expected), capture_first
+
+
+def test_steering_rounds_once_under_bf16_and_replace_keeps_shape_and_dtype() -> None:
+    model = gpt2()
+    tokens = torch.randint(0, 64, (2, 7))
+    alpha = 0.3
+
+    def once(h: torch.Tensor) -> torch.Tensor:  # the documented rounding, written by hand
+        return (h.float() + alpha * VECTOR.float()).to(h.dtype)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        truth, _ = by_hand(model.h[1], model, tokens, once)
+        with ModelIOCatcher(model, "cpu")(edits=[Steer("h.1", VECTOR, alpha=alpha)]):
+            edited = run(model, tokens)
+    assert torch.equal(edited, truth)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    narrower = ModelIOCatcher(net, "cpu")(edits=[Replace("0", lambda h: h[:, :2])])
+    with pytest.raises(ValueError, match=r"Replace's function gave \(3, 2\)"), narrower:
+        net(torch.randn(3, 4))
+    with ModelIOCatcher(net, "cpu")(edits=[Replace("0", lambda h: h.double())]):
+        assert net(torch.randn(3, 4)).dtype == torch.float32  # cast back to the value's dtype
+
+
+def test_unapplied_edits_warn_and_modules_are_described_by_their_weights() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2))
+    never = ModelIOCatcher(net, "cpu")(edits=[Zero("0", call=1)])  # one call a forward
+    with pytest.warns(UserWarning, match="were never applied in its 1 forward"), never:
+        net(torch.randn(3, 4))
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    one, other = Replace("0", first).describe(), Replace("0", second).describe()
+    assert (
+        one["function"]["function"]
+        == other["function"]["function"]
+        == "torch.nn.modules.linear.Linear"
+    )
+    assert one["function"]["weights_blake2b"] != other["function"]["weights_blake2b"]
+    method = Replace("0", first.forward).describe()["function"]  # a module's method: its weights
+    assert method["function"].endswith("Linear.forward")
+    assert method["weights_blake2b"] == one["function"]["weights_blake2b"]

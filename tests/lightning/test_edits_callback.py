@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreError
-from lightning_iocatch.capture import Steer, Zero
+from lightning_iocatch.capture import Edit, Steer, Zero
 from tests.lightning_models import WIDTH, TinyModule, dataset, loader, trainer
 
 KEY = "model.layers.2/outputs"
@@ -91,3 +91,29 @@ def test_a_store_mean_for_mean_ablation_and_a_steering_vector_between_two_stores
     vector = (clean.mean(KEY) - zeroed.mean(KEY)).float()
     dump(module, tmp_path / "steered", [Steer("model.layers.0", vector)])
     assert torch.equal(FeatureStore(tmp_path / "steered")[KEY], truth(module, vector))
+
+
+class Scaled(Edit):
+    """An edit of the user's own, with a tuple attribute (JSON gives it back as a list)."""
+
+    def __init__(self, module: str, factors: tuple[float, ...]) -> None:
+        super().__init__(module)
+        self.factors = factors
+
+    def edit(self, value: torch.Tensor) -> torch.Tensor:
+        return value * self.factors[0]
+
+
+def test_the_same_edits_resume_after_their_json_round_trip_and_unwritable_ones_are_refused(
+    tmp_path: Path,
+) -> None:
+    module = TinyModule()
+    dump(module, tmp_path / "s", [Scaled("model.layers.0", (2.0, 3.0))])
+    dump(module, tmp_path / "s", [Scaled("model.layers.0", (2.0, 3.0))], "resume")  # accepted
+    with pytest.raises(StoreError, match="holds captures with edits"):
+        dump(module, tmp_path / "s", [Scaled("model.layers.0", (2.0, 4.0))], "resume")
+    with pytest.raises(TypeError, match="must describe themselves as JSON"):
+        IOCaptureCallback(
+            "outputs[model.layers.2]",
+            edits=[Steer("model.layers.0", torch.ones(WIDTH), alpha=float("nan"))],
+        )

@@ -117,9 +117,11 @@ class ModelIOCatcher:
     process-wide ``skip_nnmodule_hook_guards`` is turned off (so compiled code notices the
     hooks) and code compiled before is dropped once, for every model of the process.
 
-    Sessions of several catchers may be open on one model at once; each captures exactly
-    what it would capture alone, and a forward stops early only once every open session
-    has early exit and is done (see :class:`ForwardCoordinator`).
+    Sessions of several catchers may be open on one model at once; without edits each
+    captures exactly what it would capture alone (a session's edits change the forward,
+    and so what every session captures after them: see
+    :mod:`~lightning_iocatch.capture.edits`), and a forward stops early only once every open
+    session has early exit and is done (see :class:`ForwardCoordinator`).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -85,7 +85,6 @@ def child(kind: str, path: Path) -> dict[str, Any]:
     ranks = [StoreRows(path, KEY, batch_size=1000, rank=r, world_size=2, **ORDER) for r in (0, 1)]
     steps = round(fraction * len(ranks[0]))
     state = ranks[0].state_dict(batches=steps)
-    consumed = []  # the first run's steps, rank 0's batch then rank 1's
     per_rank = []
     for data in ranks:
         batches = []
@@ -94,6 +93,7 @@ def child(kind: str, path: Path) -> dict[str, Any]:
                 break
             batches.append(batch["index"])
         per_rank.append(batches)
+    # the first run's steps, rank 0's batch then rank 1's
     consumed = [batch for step in zip(*per_rank, strict=True) for batch in step]
     resumed = StoreRows(path, KEY, batch_size=1500, **ORDER)
     resumed.load_state_dict(state)

@@ -3,10 +3,10 @@ gathered from the stored batches they are in, in the order asked.
 
 A :class:`Block` is the rows read from one stored batch; a :class:`RowGather` reads a batch
 given, for each of its rows, the block and the row within the rows read from it: it groups
-the rows by shard and asks each shard for just those rows
-(:meth:`~lightning_iocatch.store.backends.base.Shard.read_rows_at`: memory-mapped on disk,
-ranged reads on object storage), so a batch costs the bytes of its rows, not of the blocks
-they come from. Rows are moved as bytes with NumPy, on the calling thread only: torch's
+the rows by shard and asks each shard for the bytes at just those rows' offsets
+(:meth:`~lightning_iocatch.store.backends.base.Shard.gather`: memory-mapped on disk, ranged
+reads on object storage), so a batch costs the bytes of its rows, not of the blocks they
+come from. Rows are moved as bytes with NumPy, on the calling thread only: torch's
 intra-op threads, which a DataLoader's main process has, turn these small copies into a
 contest for the cores with everything else the machine runs.
 """

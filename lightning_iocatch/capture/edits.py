@@ -2,12 +2,13 @@
 
 An :class:`Edit` says where (a module, its ``"outputs"`` or ``"inputs"``, which value of a
 tuple output or which argument, which call, which token positions) and how: zero or mean
-ablation, adding a steering vector, patching in other activations (given, or another sample
-of the same batch), or replacing the value by a function of it (a sparse autoencoder's
-reconstruction, optionally keeping its error term). A session applies its edits in its hooks,
-which return the edited value: the forward continues with it, exactly as a hand-written
-forward hook (or pre-hook) returning that value would. Edits exist only while the session is
-open (its hooks are removed on close, on exceptions too).
+ablation (a given mean, or a running estimate), adding a steering vector, patching in other
+activations (given, another sample of the same batch, or each sample's row of a store:
+:mod:`~lightning_iocatch.capture.store_patch`), or replacing the value by a function of it
+(a sparse autoencoder's reconstruction, optionally keeping its error term). A session
+applies its edits in its hooks, which return the edited value: the forward continues with
+it, exactly as a hand-written forward hook (or pre-hook) returning that value would. Edits
+exist only while the session is open (its hooks are removed on close, on exceptions too).
 
 **What a capture sees**: a session's edit hooks run before every other hook of the module,
 so every capture of it, by any session, reads the value after the edits: the value the
@@ -21,7 +22,12 @@ opened, whose compiled code does not see hooks added later (nor the model's own 
 
 **Rounding**: ``Steer`` adds in float32 (or the value's dtype, if wider) and rounds once to
 the value's dtype, as ``(h.float() + alpha * v.float()).to(h.dtype)`` does; ``Mean``,
-``Patch`` and ``Replace`` give values of the value's dtype and shape.
+``RunningMean``, ``Patch`` and ``Replace`` give values of the value's dtype and shape.
+
+**Per batch**: an edit that depends on the batch's samples (patching each sample with its
+row of a store: :class:`~lightning_iocatch.capture.store_patch.StorePatch`) becomes a
+concrete edit for each batch through :meth:`Edit.for_batch`, given the batch's dataset
+indices; every other edit is its own concrete edit.
 
 Example:
     >>> import torch
@@ -45,7 +51,17 @@ import torch
 
 from lightning_iocatch.capture.transform import Kind
 
-__all__ = ["Edit", "Mean", "Patch", "PatchWithin", "Replace", "Steer", "Zero", "apply_edits"]
+__all__ = [
+    "Edit",
+    "Mean",
+    "Patch",
+    "PatchWithin",
+    "Replace",
+    "RunningMean",
+    "Steer",
+    "Zero",
+    "apply_edits",
+]
 
 
 class Edit:
@@ -87,13 +103,25 @@ class Edit:
         """The edited value (everywhere; :meth:`apply` keeps ``positions``)."""
         raise NotImplementedError
 
+    def for_batch(self, indices: Sequence[int] | None) -> Edit:
+        """The edit to apply to a batch whose samples have the dataset ``indices`` (in
+        batch order; ``None``: unknown): this edit itself, unless it depends on the samples
+        (see :class:`~lightning_iocatch.capture.store_patch.StorePatch`). A session asks it
+        through :meth:`CaptureSession.set_batch_indices
+        <lightning_iocatch.capture.session.CaptureSession.set_batch_indices>`;
+        ``IOCaptureCallback`` does so at every batch start."""
+        return self
+
     def describe(self) -> dict[str, Any]:
         """What this edit is, as JSON (a store records the edits its rows were captured
         under): its kind and place, each tensor by shape, dtype and a digest of its bytes,
         each module (or a module's method) by its name and a digest of its weights, any
-        other function by its qualified name only."""
+        other function by its qualified name only. Attributes named ``_...`` (state that
+        changes as the edit runs) are not part of it."""
         described: dict[str, Any] = {"edit": type(self).__name__}
         for name, value in vars(self).items():
+            if name.startswith("_"):
+                continue
             if isinstance(value, torch.Tensor):
                 data = value.detach().cpu().contiguous()
                 raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -121,9 +149,17 @@ class Edit:
 
     def apply(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` edited where ``positions`` says (everywhere without it)."""
+        mask = self._mask(value)
         edited = self.edit(value)
-        if self.positions is None:
+        if mask is None:
             return edited
+        mask = mask.reshape(*mask.shape, *([1] * (value.dim() - mask.dim())))
+        return torch.where(mask, edited, value)
+
+    def _mask(self, value: torch.Tensor) -> torch.Tensor | None:
+        """``positions`` on ``value``'s device, once it fits its leading dimensions."""
+        if self.positions is None:
+            return None
         mask = self.positions.to(value.device)
         if tuple(mask.shape) != tuple(value.shape[: mask.dim()]):
             raise ValueError(
@@ -131,8 +167,7 @@ class Edit:
                 f"{self.kind} of shape {tuple(value.shape)}: give a mask over its leading "
                 "dimensions"
             )
-        mask = mask.reshape(*mask.shape, *([1] * (value.dim() - mask.dim())))
-        return torch.where(mask, edited, value)
+        return mask
 
 
 class Zero(Edit):
@@ -152,6 +187,68 @@ class Mean(Edit):
     def edit(self, value: torch.Tensor) -> torch.Tensor:
         mean = self.mean
         return mean.to(device=value.device, dtype=value.dtype).expand_as(value).clone()
+
+
+class RunningMean(Edit):
+    """Mean ablation with the mean estimated as it goes: the value becomes the mean of every
+    value this edit has seen so far, the current one included.
+
+    What it averages: the values as they reach this edit (before it changes them; after any
+    edit listed before it on the same module), at the places it edits: with ``positions``
+    (a mask over the leading ``k`` dimensions), the selected places, and the mean has the
+    shape of the remaining dimensions ``value.shape[k:]`` (e.g. ``[d]`` for a
+    ``[batch, seq, d]`` value with a ``[batch, seq]`` mask); without ``positions``, every
+    sample (the first dimension), and the mean has the shape ``value.shape[1:]``. Values of
+    calls it does not apply to (``call=``) are not seen. The sum and count are kept in
+    float64 from the first operation, on the value's device; the edited value is
+    ``(sum / count)`` rounded once to the value's dtype.
+
+    So the first batch is replaced by its own mean, and batch ``n`` by the mean over
+    batches ``1..n``. The estimate lasts as long as the edit object, across sessions and
+    loops, until :meth:`reset`; it is per process (ranks do not share it). It cannot apply
+    in the recompute of activation checkpointing (refused there): the recompute would see
+    the values a second time.
+    """
+
+    def __init__(self, module: str, **where: Any) -> None:
+        super().__init__(module, **where)
+        self._total: torch.Tensor | None = None
+        self._count = 0
+
+    @property
+    def mean(self) -> torch.Tensor | None:
+        """The current estimate, float64 (``None`` before any value)."""
+        return None if self._total is None or not self._count else self._total / self._count
+
+    @property
+    def count(self) -> int:
+        """How many places (samples, or selected positions) the estimate is over."""
+        return self._count
+
+    def reset(self) -> None:
+        """Forget every value seen."""
+        self._total, self._count = None, 0
+
+    def apply(self, value: torch.Tensor) -> torch.Tensor:
+        mask = self._mask(value)
+        seen = value.detach() if mask is None else value.detach()[mask]
+        total = seen.to(torch.float64).sum(0)  # cast the values, not the sum
+        if self._total is not None and self._total.shape != total.shape:
+            raise ValueError(
+                f"RunningMean of {self.module!r}: a mean of shape {tuple(self._total.shape)} "
+                f"so far, and now {self.kind} whose places have shape {tuple(total.shape)}; "
+                "the places averaged must have one shape (give `positions` over the "
+                "dimensions that vary, e.g. [batch, seq])"
+            )
+        self._total = total if self._total is None else self._total.to(total.device) + total
+        self._count += len(seen)
+        return super().apply(value)
+
+    def edit(self, value: torch.Tensor) -> torch.Tensor:
+        mean = self.mean
+        if mean is None:  # no place seen yet, so none to edit
+            return value
+        return mean.to(value.dtype).expand_as(value).clone()
 
 
 class Steer(Edit):

@@ -47,6 +47,9 @@ from lightning_iocatch.store.tokens import TokenSelection
 
 __all__ = ["IOCaptureCallback"]
 
+# (batch_idx, dataloader_idx, dataset indices, which repeat a sample) of the current batch
+_LookedUp = tuple[int, int, tuple[int, ...] | None, tuple[bool, ...] | None]
+
 
 class IOCaptureCallback(Callback):
     """Capture inputs and outputs of named submodules of the LightningModule.
@@ -74,7 +77,10 @@ class IOCaptureCallback(Callback):
             copies use (``0``: copy synchronously); see :class:`ModelIOCatcher`.
         edits: edits of the forward (:mod:`lightning_iocatch.capture.edits`; names as in
             the spec) applied in every captured stage; a writer's store records them, and a
-            resume under other edits is refused.
+            resume under other edits is refused. Each batch's edits are
+            ``edit.for_batch(indices)`` with the batch's dataset indices (a
+            :class:`~lightning_iocatch.capture.store_patch.StorePatch` patches each sample
+            with its stored row; it refuses a DataLoader whose indices are unknown).
 
     After a run, ``callback.captures[stage][dataloader_idx][name]["outputs"]`` holds one
     entry per call (the reference buffer layout), and
@@ -187,6 +193,7 @@ class IOCaptureCallback(Callback):
         self._leave_route: Callable[[], None] | None = None
         self._skip_step = False
         self._indexer: BatchIndexer | None = None
+        self._looked_up: _LookedUp | None = None
         if not all(isinstance(edit, Edit) for edit in edits):
             raise TypeError("`edits` takes Edit objects (Zero, Steer, ...)")
         self.edits = list(edits)
@@ -242,6 +249,28 @@ class IOCaptureCallback(Callback):
         self._start("predict", trainer, pl_module)
 
     @override
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_start("validate", trainer, batch, batch_idx, dataloader_idx)
+
+    @override
+    def on_test_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_start("test", trainer, batch, batch_idx, dataloader_idx)
+
+    @override
     def on_predict_batch_start(
         self,
         trainer: pl.Trainer,
@@ -250,8 +279,7 @@ class IOCaptureCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._decide_skip(trainer, batch_idx, dataloader_idx)
-        self._select_tokens(batch)
+        self._batch_start("predict", trainer, batch, batch_idx, dataloader_idx)
 
     @override
     def on_validation_batch_end(
@@ -263,7 +291,7 @@ class IOCaptureCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._batch_end("validate", trainer, batch, batch_idx, dataloader_idx)
+        self._batch_end("validate", batch, batch_idx, dataloader_idx)
 
     @override
     def on_test_batch_end(
@@ -275,7 +303,7 @@ class IOCaptureCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._batch_end("test", trainer, batch, batch_idx, dataloader_idx)
+        self._batch_end("test", batch, batch_idx, dataloader_idx)
 
     @override
     def on_predict_batch_end(
@@ -287,7 +315,7 @@ class IOCaptureCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._batch_end("predict", trainer, batch, batch_idx, dataloader_idx)
+        self._batch_end("predict", batch, batch_idx, dataloader_idx)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -348,12 +376,27 @@ class IOCaptureCallback(Callback):
             join_predict_route(pl_module, member)
             self._leave_route = lambda: leave_predict_route(pl_module, member)
 
-    def _decide_skip(self, trainer: pl.Trainer, batch_idx: int, dataloader_idx: int) -> None:
-        self._skip_step = False
-        if self._stage != "predict" or self._indexer is None or not self._sinks:
+    def _batch_start(
+        self, stage: str, trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int
+    ) -> None:
+        """Look the batch's dataset indices up, once (a BatchIndexer walks the sampler in
+        step with the loop: asked twice for a batch, it finds nothing the second time), for
+        the batch's end too; in predict, decide whether to skip the batch and select its
+        tokens; then give the edits the indices (a StorePatch reads the batch's rows)."""
+        self._skip_step, self._looked_up = False, None
+        if self._session is None or self._indexer is None or self._stage != stage:
             return
         indices = self._indexer(trainer, batch_idx, dataloader_idx)
-        self._skip_step = all(
+        repeated = self._indexer.repeated(batch_idx, dataloader_idx)
+        self._looked_up = (batch_idx, dataloader_idx, indices, repeated)
+        if stage == "predict":
+            self._decide_skip(dataloader_idx, indices)
+            self._select_tokens(batch)
+        if self.edits:
+            self._session.set_batch_indices(indices)
+
+    def _decide_skip(self, dataloader_idx: int, indices: tuple[int, ...] | None) -> None:
+        self._skip_step = bool(self._sinks) and all(
             sink.skip_batch("predict", dataloader_idx, indices) for sink in self._sinks
         )
 
@@ -365,17 +408,17 @@ class IOCaptureCallback(Callback):
         selection = None if self._skip_step else self._token_rows.select(batch)
         self._session.take(transform=selection)
 
-    def _batch_end(
-        self, stage: str, trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int
-    ) -> None:
-        if self._session is None or self._indexer is None or self._stage != stage:
+    def _batch_end(self, stage: str, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
+        if self._session is None or self._stage != stage:
             return
         captures = self._session.take()
         tokens = captures.transform  # what this batch was captured with
+        looked_up, self._looked_up = self._looked_up, None
         if self._skip_step:
             return  # captured only because another callback needed the forward
-        indices = self._indexer(trainer, batch_idx, dataloader_idx)
-        repeated = self._indexer.repeated(batch_idx, dataloader_idx)
+        indices, repeated = None, None  # looked up at the batch's start, never twice
+        if looked_up is not None and looked_up[:2] == (batch_idx, dataloader_idx):
+            indices, repeated = looked_up[2:]
         selection = tokens if isinstance(tokens, TokenSelection) else None
         record = BatchCaptures(
             stage, batch_idx, dataloader_idx, captures, indices, batch, repeated, selection
@@ -416,7 +459,7 @@ class IOCaptureCallback(Callback):
     def _close(self) -> None:
         """Remove the hooks and restore ``predict_step``; safe to call at any time."""
         session, self._session, self._stage = self._session, None, None
-        self._indexer = None
+        self._indexer, self._looked_up = None, None
         leave_route, self._leave_route = self._leave_route, None
         self._skip_step = False
         try:

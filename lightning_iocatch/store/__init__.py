@@ -13,6 +13,7 @@ the training reader (:mod:`~lightning_iocatch.store.training`), export
 from lightning_iocatch.store.export import ExportError, export_dataset
 from lightning_iocatch.store.plan import MODES, Mode, StorePlan, prepare_store
 from lightning_iocatch.store.reader import FeatureStore, OnDuplicate
+from lightning_iocatch.store.sample_rows import SampleRows
 from lightning_iocatch.store.tokens import TokenRows, TokenSelection
 from lightning_iocatch.store.training import StoreRows
 from lightning_iocatch.store.writer import ShardWriter
@@ -23,6 +24,7 @@ __all__ = [
     "FeatureStore",
     "Mode",
     "OnDuplicate",
+    "SampleRows",
     "ShardWriter",
     "StorePlan",
     "StoreRows",

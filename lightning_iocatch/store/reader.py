@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -22,7 +22,8 @@ from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.index_set import IndexSet
-from lightning_iocatch.store.names import INDEX_KEY
+from lightning_iocatch.store.names import INDEX_KEY, POSITION_KEY
+from lightning_iocatch.store.sample_rows import RowLookup, SampleRows, as_indices
 from lightning_iocatch.store.stored_batches import (
     CommittedShard,
     StoredBatch,
@@ -67,6 +68,8 @@ class FeatureStore:
       decoding step only some sequences reached, a data-dependent branch, the ``@1`` key
       of a call that did not always happen), with the ascending dataset indices of its own
       rows; ``store.indices_of(key)`` gives those indices without reading the rows.
+    - ``store.rows_at(key, indices)``: the rows of chosen samples in the order asked (e.g.
+      a batch's, to patch them into another run), reading only the batches holding them.
     - ``store.batches(key)`` yields ``(indices, tensor)`` per stored batch: for a key whose
       row shape differs between batches (sequence length varying by batch), and for a key
       stored once per batch without a row per sample (``metadata["per_batch"]``, e.g.
@@ -125,6 +128,8 @@ class FeatureStore:
         tokens = self._info.get("tokens") or {}
         stored = stored_batches(self._sources, dataloader_idx)
         token_rows = bool(tokens) and tokens.get("reduce") is None
+        self._token_rows = token_rows
+        self._lookups: dict[str, RowLookup] = {}
         self._batches, self._samples, duplicated = first_commits(stored, token_rows=token_rows)
         if duplicated.size and on_duplicate == "error":
             self._refuse_duplicates(stored, duplicated)
@@ -330,14 +335,14 @@ class FeatureStore:
             else:
                 yield indices, batch.kept(tensor)
 
-    def _refuse_unless_rows(self, key: str) -> None:
+    def _refuse_unless_rows(self, key: str, *, any_shape: bool = False) -> None:
         holders = self._holders(key)
         if any(key in batch.per_batch for batch in holders):
             raise StoreError(
                 f"{key!r} is stored once per batch, without a row per sample; read it with "
                 f"store.batches({key!r}), which yields (indices, tensor) per batch"
             )
-        if self._shape(key) is None:
+        if not any_shape and self._shape(key) is None:
             raise StoreError(
                 f"{key!r} has rows of different shapes across batches; read it per batch "
                 f"with store.batches({key!r})"
@@ -366,6 +371,32 @@ class FeatureStore:
         if len(parts) == 1 and bool((order == torch.arange(len(order))).all()):
             return every, parts[0]  # memory-mapped, no copy
         return every[order], torch.cat(parts)[order]
+
+    def rows_at(self, key: str, indices: Sequence[int] | torch.Tensor) -> SampleRows:
+        """The rows of ``key`` of the samples ``indices`` (dataset indices, in any order,
+        repeats allowed), in that order: ``SampleRows(rows, sample, position)``; for a
+        store of one row per sample ``rows[i]`` is sample ``indices[i]``'s; for token rows,
+        each sample's rows with their positions (see
+        :class:`~lightning_iocatch.store.sample_rows.SampleRows`). Reads only the stored
+        batches that hold some of them, skipping the others on their records' summaries.
+
+        Raises:
+            StoreError: an index the store does not hold, or holds without a row of
+                ``key``, naming them and the store; rows of different shapes or dtypes.
+        """
+        self._check_key(key)
+        self._refuse_unless_rows(key, any_shape=True)
+        if key not in self._lookups:
+            self._lookups[key] = RowLookup(
+                self._holders(key),
+                key,
+                positions=POSITION_KEY in self._dtypes and key != POSITION_KEY,
+                token_rows=self._token_rows,
+                store=f"the store {self.path}"
+                + (f" (dataloader_idx={self.dataloader_idx})" if self.dataloader_idx else ""),
+                samples=self._samples,
+            )
+        return self._lookups[key].read(as_indices(indices))
 
     def mean(self, key: str) -> torch.Tensor:
         """The mean row of ``key`` over its rows (each sample once), accumulated in float64

@@ -8,16 +8,28 @@ coordinator that lets sessions on one model compose and stops forwards early
 :mod:`~lightning_iocatch.capture.host_copy` and :mod:`~lightning_iocatch.capture.pinned_ring`),
 the settled read-only buffer (:mod:`~lightning_iocatch.capture.buffer`), the flat key of a
 captured value (:mod:`~lightning_iocatch.capture.keys`), ``torch.compile`` support
-(:mod:`~lightning_iocatch.capture.compiled`) and edits of the forward
-(:mod:`~lightning_iocatch.capture.edits`).
+(:mod:`~lightning_iocatch.capture.compiled`), edits of the forward
+(:mod:`~lightning_iocatch.capture.edits`) and variants of one forward under several sets of
+edits, sharing what comes before them (:mod:`~lightning_iocatch.capture.variants`).
 """
 
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher, module_index
-from lightning_iocatch.capture.edits import Edit, Mean, Patch, PatchWithin, Replace, Steer, Zero
+from lightning_iocatch.capture.edits import (
+    Edit,
+    Mean,
+    Patch,
+    PatchWithin,
+    Replace,
+    RunningMean,
+    Steer,
+    Zero,
+)
 from lightning_iocatch.capture.keys import flatten_captures, flatten_value
 from lightning_iocatch.capture.snapshots import NotCaptured, snapshot, transfer_to_device
 from lightning_iocatch.capture.spec import CaptureSpec, format_io_spec, parse_io_spec
+from lightning_iocatch.capture.store_patch import PatchAt, StorePatch
+from lightning_iocatch.capture.variants import Variants
 
 __all__ = [
     "CaptureBuffer",
@@ -28,9 +40,13 @@ __all__ = [
     "ModelIOCatcher",
     "NotCaptured",
     "Patch",
+    "PatchAt",
     "PatchWithin",
     "Replace",
+    "RunningMean",
     "Steer",
+    "StorePatch",
+    "Variants",
     "Zero",
     "flatten_captures",
     "flatten_value",

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -68,6 +69,7 @@ class ForwardCoordinator:
     def __init__(self) -> None:
         self.sessions: list[Participant] = []
         self._frames: list[_Frame] = []
+        self._aside: frozenset[int] = frozenset()  # ids of sessions set aside (`apart`)
         self._trees: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = (
             weakref.WeakKeyDictionary()
         )
@@ -76,6 +78,22 @@ class ForwardCoordinator:
     def in_forward(self) -> bool:
         """True while a forward runs through :meth:`call` (early exit can be absorbed)."""
         return bool(self._frames)
+
+    @contextmanager
+    def apart(self) -> Iterator[None]:
+        """While open, the sessions open now are set aside: their hooks neither capture nor
+        edit, and no forward involves them; sessions opened inside act as usual. For forwards
+        run on the side, such as :class:`~lightning_iocatch.capture.variants.Variants`'."""
+        before = self._aside
+        self._aside = before | {id(session) for session in self.sessions}
+        try:
+            yield
+        finally:
+            self._aside = before
+
+    def acts(self, session: object) -> bool:
+        """Whether ``session``'s hooks act now (it is not set aside by :meth:`apart`)."""
+        return id(session) not in self._aside
 
     def open(self, session: Participant) -> None:
         self._trees.clear()  # modules may have been added since: recompute on demand
@@ -93,7 +111,11 @@ class ForwardCoordinator:
 
     def _involved(self, model: nn.Module) -> list[Participant]:
         running = self.tree(model)
-        return [s for s in self.sessions if id(s.root) in running or id(model) in self.tree(s.root)]
+        return [
+            s
+            for s in self.sessions
+            if self.acts(s) and (id(s.root) in running or id(model) in self.tree(s.root))
+        ]
 
     def maybe_stop(self, session: Participant) -> None:
         """Stop the forward if every session it involves is done (called by the hooks)."""

@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.compiled import prepare_for_hooks
 from lightning_iocatch.capture.coordinator import ForwardCoordinator
-from lightning_iocatch.capture.edits import Edit, apply_edits
+from lightning_iocatch.capture.edits import Edit, RunningMean, apply_edits
 from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
 from lightning_iocatch.errors import CaptureError
@@ -48,7 +48,9 @@ class CaptureSession:
     Use it as a context manager (``with catcher(outputs=[...]) as buf:``), or call
     :meth:`open` and :meth:`close` in a ``try/finally`` yourself. ``transform`` changes
     what the first batch's captures copy (see :mod:`~lightning_iocatch.capture.transform`);
-    :meth:`take` gives each next batch its own.
+    :meth:`take` gives each next batch its own. :meth:`set_batch_indices` gives the edits
+    the batch's dataset indices (an edit that patches each sample with its stored row needs
+    them).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class CaptureSession:
         self.outputs = outputs
         self.early_exit = early_exit
         self.edits = list(edits)
+        self._batch_edits = self.edits  # the edits of the current batch (set_batch_indices)
         self._calls: dict[tuple[str, Kind], int] = {}  # calls in this forward, for edits
         self._applied = self._forwards = 0  # calls an edit changed; forwards of the model
         self.buffer = CaptureBuffer.empty(dict.fromkeys([*inputs, *outputs]), transform)
@@ -103,6 +106,7 @@ class CaptureSession:
         self.catcher.coordinator.open(self)
         self._pending = set(self._targets)
         self._calls, self._applied, self._forwards = {}, 0, 0
+        self._batch_edits = self.edits
         try:
             if self.edits:  # a forward of the model starts: edits count calls from 0
                 self._handles.append(self.root.register_forward_pre_hook(self._new_forward))
@@ -159,8 +163,28 @@ class CaptureSession:
         taken = self.buffer
         self.buffer = CaptureBuffer.empty(taken._data, transform)
         self._calls = {}  # a batch's forward starts: edits count calls from 0
+        self._batch_edits = self.edits  # until the next batch's set_batch_indices
         taken.settle()
         return taken
+
+    def set_batch_indices(self, indices: Sequence[int] | None) -> None:
+        """The next forwards are of a batch whose samples have the dataset ``indices`` (in
+        batch order; ``None``: unknown): each edit applies as its ``edit.for_batch(indices)``
+        (:meth:`~lightning_iocatch.capture.edits.Edit.for_batch`; a ``StorePatch`` reads
+        the batch's rows now) until the next call, or :meth:`take`, which ends the batch.
+        ``IOCaptureCallback`` calls it at every batch start.
+
+        Raises:
+            CaptureError: an edit's ``for_batch`` changed its module or kind.
+        """
+        batch = [edit.for_batch(indices) for edit in self.edits]
+        for armed, edit in zip(self.edits, batch, strict=True):
+            if (edit.module, edit.kind) != (armed.module, armed.kind):
+                raise CaptureError(
+                    f"{armed!r}.for_batch gave {edit!r}, an edit of another module or kind; "
+                    "it must edit the same place"
+                )
+        self._batch_edits = batch
 
     def __enter__(self) -> CaptureBuffer:
         return self.open()
@@ -174,6 +198,8 @@ class CaptureSession:
         self._calls = {}
 
     def _new_forward(self, *_: Any) -> None:
+        if not self._acts():
+            return
         self._calls = {}
         self._forwards += 1
 
@@ -181,8 +207,9 @@ class CaptureSession:
         """``value`` with this session's edits of ``name``'s ``kind`` for this call applied
         (``value`` itself when none applies). Activation checkpointing recomputes a forward
         during backward: the same edits apply there, so that gradients are those of the
-        edited forward (an edit of one call cannot tell its call there: refused)."""
-        mine = [edit for edit in self.edits if edit.module == name and edit.kind == kind]
+        edited forward (an edit of one call cannot tell its call there, and a running mean
+        would count the values again: refused)."""
+        mine = [edit for edit in self._batch_edits if edit.module == name and edit.kind == kind]
         if _in_backward():
             if any(edit.call is not None for edit in mine):
                 raise CaptureError(
@@ -190,11 +217,22 @@ class CaptureSession:
                     "where its call cannot be told: an edit with `call=` cannot apply there; "
                     "edit every call, or do not checkpoint that module"
                 )
+            if any(isinstance(edit, RunningMean) for edit in mine):
+                raise CaptureError(
+                    f"{name!r} is recomputed by activation checkpointing during backward, "
+                    "where a RunningMean would add its values to the estimate a second "
+                    "time; give Mean a fixed mean, or do not checkpoint that module"
+                )
             return apply_edits(mine, kind, value, 0)
         call = self._calls.get((name, kind), 0)
         self._calls[(name, kind)] = call + 1
         self._applied += any(edit.call in (None, call) for edit in mine)
         return apply_edits(mine, kind, value, call)
+
+    def _acts(self) -> bool:
+        """Whether this session's hooks act now (it is not set aside while forwards run on
+        the side: :meth:`ForwardCoordinator.apart`)."""
+        return self.catcher.coordinator.acts(self)
 
     def _wants_call(self) -> bool:
         """Whether a hook of this session captures the call now (before anything is copied)."""
@@ -235,11 +273,15 @@ def _edit_hook(session: CaptureSession, name: str, kind: Kind) -> RemovableHandl
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def edit_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         value = (args, kwargs)
+        if not session._acts():
+            return None
         edited = session._edit(name, "inputs", value)
         return None if edited is value else edited
 
     @torch.compiler.disable
     def edit_outputs(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if not session._acts():
+            return None
         edited = session._edit(name, "outputs", output)
         return None if edited is output else edited
 
@@ -251,7 +293,7 @@ def _edit_hook(session: CaptureSession, name: str, kind: Kind) -> RemovableHandl
 def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if _in_backward() or not session._wants_call():
+        if _in_backward() or not session._acts() or not session._wants_call():
             return  # the forward continues with its own inputs (None: unchanged)
         session._capture(name, "inputs", {"args": args, "kwargs": kwargs})
 
@@ -261,7 +303,7 @@ def _input_hook(session: CaptureSession, name: str) -> Callable[..., None]:
 def _output_hook(session: CaptureSession, name: str) -> Callable[..., None]:
     @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if _in_backward() or not session._wants_call():
+        if _in_backward() or not session._acts() or not session._wants_call():
             return  # the forward continues with the module's own output (None: unchanged)
         session._capture(name, "outputs", output)
 

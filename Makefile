@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck unit demo bench bench-tokens clean
+.PHONY: venv test lint typecheck unit demo bench bench-tokens bench-effects test-peers clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,11 +41,18 @@ $(BENCH_VENV)/bin/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
 	$(BENCH_VENV)/bin/pip install --quiet "$(TORCH_PIN)"
-	$(BENCH_VENV)/bin/pip install --quiet -e . "sae-lens>=6" "datasets>=4.0" "$(TORCH_PIN)"
+	$(BENCH_VENV)/bin/pip install --quiet -e . "sae-lens>=6" "datasets>=4.0" pytest "$(TORCH_PIN)"
 	touch $@
 
 bench-tokens: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python benchmarks/tokens.py --markdown
+
+# The tests that compare with a peer's own code (SAELens' evaluation of an SAE).
+test-peers: $(BENCH_VENV)/bin/.installed
+	$(BENCH_VENV)/bin/python -m pytest -q tests/lightning/test_effects_saelens.py
+
+bench-effects: venv
+	$(BIN)/python benchmarks/effects.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         BatchCaptures,
         CaptureSink,
         FeatureWriter,
+        InterventionEffects,
         IOCaptureCallback,
         MemorySink,
         StoreDataModule,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 _HOMES = {
     "IOCaptureCallback": "lightning",
+    "InterventionEffects": "lightning",
     "CaptureBuffer": "capture",
     "CaptureSession": "capture",
     "ModelIOCatcher": "capture",
@@ -75,6 +77,7 @@ __all__ = [
     "FeatureStore",
     "FeatureWriter",
     "IOCaptureCallback",
+    "InterventionEffects",
     "MemorySink",
     "ModelIOCatcher",
     "NotCaptured",

@@ -1,4 +1,5 @@
-"""The Lightning adapter: the callback, its sinks, the writer sink and the data module.
+"""The Lightning adapter: the callback, its sinks, the writer sink, the data module, and the
+effects of edits as validation metrics.
 
 Everything here sits on the core (:mod:`lightning_iocatch.capture`,
 :mod:`lightning_iocatch.store`, :mod:`lightning_iocatch.probes`); nothing in the core
@@ -8,6 +9,7 @@ Lightning's private internals.
 
 from lightning_iocatch.lightning.callback import IOCaptureCallback
 from lightning_iocatch.lightning.datamodule import StoreDataModule
+from lightning_iocatch.lightning.effects import InterventionEffects
 from lightning_iocatch.lightning.feature_writer import FeatureWriter
 from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink, MemorySink
 
@@ -16,6 +18,7 @@ __all__ = [
     "CaptureSink",
     "FeatureWriter",
     "IOCaptureCallback",
+    "InterventionEffects",
     "MemorySink",
     "StoreDataModule",
 ]

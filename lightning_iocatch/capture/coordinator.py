@@ -80,12 +80,17 @@ class ForwardCoordinator:
         return bool(self._frames)
 
     @contextmanager
-    def apart(self) -> Iterator[None]:
-        """While open, the sessions open now are set aside: their hooks neither capture nor
-        edit, and no forward involves them; sessions opened inside act as usual. For forwards
-        run on the side, such as :class:`~lightning_iocatch.capture.variants.Variants`'."""
-        before = self._aside
-        self._aside = before | {id(session) for session in self.sessions}
+    def apart(self, model: nn.Module) -> Iterator[None]:
+        """While open, the sessions open now on ``model`` (on it, a module inside it, or a
+        module it is inside) are set aside: their hooks neither capture nor edit, and no
+        forward involves them; sessions on other models, and sessions opened inside, act
+        as usual. For forwards run on the side, such as
+        :class:`~lightning_iocatch.capture.variants.Variants`'."""
+        before, running = self._aside, self.tree(model)
+        related = [
+            s for s in self.sessions if id(s.root) in running or id(model) in self.tree(s.root)
+        ]
+        self._aside = before | {id(session) for session in related}
         try:
             yield
         finally:

@@ -27,7 +27,7 @@ type. A call that differs runs for real (once said in a warning), so a variant n
 a clean output its own inputs did not produce. With ``share=False`` every variant runs its
 whole forward.
 
-Other sessions open on the model are set aside while the forwards run
+Other sessions open on the model (or a module of it) are set aside while the forwards run
 (:meth:`~lightning_iocatch.capture.coordinator.ForwardCoordinator.apart`): their hooks
 neither capture these forwards nor edit them. The forwards run under ``torch.no_grad()``
 outside inference mode, so that a replayed
@@ -48,6 +48,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -80,6 +81,8 @@ class _Call:
     output: Any = None
     versions: list[tuple[torch.Tensor, int | None]] = field(default_factory=list)
     children: list[_Call] = field(default_factory=list)
+    counted_inside: bool = False  # a module edited at one call (`call=`) ran inside it
+    opaque: str | None = None  # the type of an argument compared by type only
 
 
 class _Recorder:
@@ -90,8 +93,14 @@ class _Recorder:
         self.points = points
         self.edit_at: dict[str, float] = dict.fromkeys(points, math.inf)
         self.top: list[_Call] = []
-        self._stack: list[_Call | None] = []
+        self._stack: list[tuple[int, _Call | None]] = []  # (the module's call number, call)
         self._counts: dict[int, int] = {}
+        self._counted = {  # modules whose calls an edit counts (`call=`): never inside a replay
+            id(module)
+            for found in points.values()
+            for module, edit in found
+            if edit.call is not None
+        }
         self._events = 0
         self._handles = []
         for name, module in model.named_modules():
@@ -99,7 +108,10 @@ class _Recorder:
                 self._handles.append(
                     module.register_forward_pre_hook(self._started, with_kwargs=True)
                 )
-                self._handles.append(module.register_forward_hook(self._ended))
+                # first among the forward hooks: the output as forward returned it (other
+                # hooks run on a replayed output again), and also when forward raises
+                hook = module.register_forward_hook(self._ended, prepend=True, always_call=True)
+                self._handles.append(hook)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -114,23 +126,33 @@ class _Recorder:
         self._counts[id(module)] = number + 1
         now = self._tick()
         self._mark(module, number, "inputs", now)
+        if id(module) in self._counted:
+            for _, outer in self._stack:
+                if outer is not None:
+                    outer.counted_inside = True
         if all(at < math.inf for at in self.edit_at.values()):
-            self._stack.append(None)  # after every edit point: nothing more to replay
+            self._stack.append((number, None))  # after every edit point: nothing to replay
             return
-        call = _Call(module, number, now, args, kwargs, versions=_versions((args, kwargs)))
-        parent = self._stack[-1] if self._stack else None
+        given_args, given_kwargs = _copied((args, kwargs))  # as given, not as appended to
+        versions = _versions((given_args, given_kwargs))
+        call = _Call(module, number, now, given_args, given_kwargs, versions=versions)
+        call.opaque = _opaque((args, kwargs))
+        parent = self._stack[-1][1] if self._stack else None
         (parent.children if parent is not None else self.top).append(call)
-        self._stack.append(call)
+        self._stack.append((number, call))
 
     def _ended(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        call = self._stack.pop() if self._stack else None
+        number, call = self._stack.pop() if self._stack else (0, None)
         now = self._tick()
         if call is not None:
-            call.end, call.output = now, output
+            call.end, call.output = now, _copied(output)
             call.versions += _versions(output)
-            if not any(call.start < at <= now for at in self.edit_at.values()):
+            if output is None:
+                call.end = math.inf  # it raised (or returned nothing): never replayed
+            inside = any(call.start < at <= now for at in self.edit_at.values())
+            if not inside and not call.counted_inside:
                 call.children = []  # replayed whole wherever it is replayed
-        self._mark(module, self._counts[id(module)] - 1, "outputs", now)
+        self._mark(module, number, "outputs", now)
 
     def _mark(self, module: nn.Module, number: int, kind: str, now: int) -> None:
         for variant, points in self.points.items():
@@ -144,7 +166,7 @@ class _Recorder:
         pending = list(self.top)
         while pending:
             call = pending.pop(0)
-            if call.end <= edit_at and _unchanged(call.versions):
+            if call.end <= edit_at and _unchanged(call.versions) and not call.counted_inside:
                 found.append(call)
                 continue
             if call.end <= edit_at:
@@ -169,7 +191,8 @@ class Variants:
 
     Calling it with a function that runs the forward (``lambda: model(batch)``) returns
     ``{"clean": output, name: output, ...}``. :attr:`fallbacks` says why a forward or a
-    call ran whole where it could have been replayed.
+    call ran whole where it could have been replayed, :attr:`notes` what a variant's output
+    lacks (each also said once in a warning).
     """
 
     def __init__(
@@ -191,6 +214,7 @@ class Variants:
         self.variants = {name: list(edits) for name, edits in variants.items()}
         self.share = share
         self.fallbacks: list[str] = []
+        self.notes: list[str] = []
         index = catcher._modules()
         self._points = {
             name: [(index[edit.module], edit) for edit in edits]
@@ -204,7 +228,7 @@ class Variants:
         ``indices``: the batch's dataset indices, for edits that need them
         (:meth:`~lightning_iocatch.capture.edits.Edit.for_batch`)."""
         coordinator = self.catcher.coordinator
-        with torch.inference_mode(False), torch.no_grad(), coordinator.apart():
+        with torch.inference_mode(False), torch.no_grad(), coordinator.apart(self.catcher.root):
             reason = self._why_not_shared() if self.share else None
             if reason is not None:
                 self._fell_back(reason)
@@ -231,7 +255,7 @@ class Variants:
         replayed: list[_Call],
     ) -> Any:
         session = self.catcher(edits=self.variants[name])
-        with _Replaying(replayed, self._fell_back), session:
+        with _Replaying(replayed, self._fell_back, self._noted), session:
             session.set_batch_indices(indices)
             return forward()
 
@@ -254,18 +278,25 @@ class Variants:
             self.fallbacks.append(reason)
             warnings.warn(f"Variants: {reason}", stacklevel=3)
 
+    def _noted(self, note: str) -> None:
+        if note not in self.notes:
+            self.notes.append(note)
+            warnings.warn(f"Variants: {note}", stacklevel=3)
+
 
 class _Replaying:
     """While open, each module with calls to replay returns their clean outputs instead of
     computing them, call by call, where the call's arguments are the clean call's."""
 
-    def __init__(self, calls: list[_Call], fell_back: Callable[[str], None]) -> None:
+    def __init__(
+        self, calls: list[_Call], fell_back: Callable[[str], None], noted: Callable[[str], None]
+    ) -> None:
         self._by_module: dict[int, dict[int, _Call]] = {}
         self._modules: dict[int, nn.Module] = {}
         for call in calls:
             self._by_module.setdefault(id(call.module), {})[call.number] = call
             self._modules[id(call.module)] = call.module
-        self._fell_back = fell_back
+        self._fell_back, self._noted = fell_back, noted
         self._saved: dict[int, Any] = {}
 
     def __enter__(self) -> None:
@@ -290,7 +321,15 @@ class _Replaying:
             call = calls.get(number)
             if call is not None:
                 if _same((args, kwargs), (call.args, call.kwargs)) and _unchanged(call.versions):
-                    return call.output
+                    if call.opaque is not None:
+                        self._noted(
+                            f"a call of {type(module).__name__} before the edit point was "
+                            f"given a {call.opaque}: what it would write into it is not "
+                            "written in a variant (a key/value cache a variant returns lacks "
+                            "the layers before its edit point: do not decode from it; "
+                            "use_cache=False avoids it)"
+                        )
+                    return _copied(call.output)  # containers anew: code after may append
                 self._fell_back(
                     f"a call of {type(module).__name__} before the edit point had other "
                     "arguments than in the clean forward (or its output was modified in "
@@ -299,6 +338,35 @@ class _Replaying:
             return own(*args, **kwargs)
 
         return forward
+
+
+def _copied(value: Any) -> Any:
+    """``value``'s containers (tuples, lists, dicts, model outputs) copied, down to the
+    tensors and other objects, which are the same."""
+    if isinstance(value, list):
+        return [_copied(item) for item in value]
+    if isinstance(value, tuple):
+        items = [_copied(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if type(value) is dict:
+        return {key: _copied(item) for key, item in value.items()}
+    if isinstance(value, dict):  # a dict subclass, such as Hugging Face's ModelOutput
+        copied = copy.copy(value)
+        for key, item in value.items():
+            copied[key] = _copied(item)
+        return copied
+    return value
+
+
+def _opaque(value: Any) -> str | None:
+    """The type of the first object in ``value`` that is compared by type only."""
+    if isinstance(value, (tuple, list)):
+        return next((found for item in value if (found := _opaque(item))), None)
+    if isinstance(value, dict):
+        return next((found for item in value.values() if (found := _opaque(item))), None)
+    if isinstance(value, (torch.Tensor, *_SIMPLE)) or type(value).__eq__ is not object.__eq__:
+        return None
+    return type(value).__name__
 
 
 def _versions(value: Any) -> list[tuple[torch.Tensor, int | None]]:

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,8 @@ from lightning_iocatch.lightning.batch_indices import BatchIndexer, missing_indi
 
 __all__ = ["InterventionEffects", "kl_per_sample", "next_token_loss"]
 
+_CHUNK = 256  # positions turned into float64 [positions, vocab] at once
+_KEYS = 3  # the key columns of a sample's row: dataloader, rank (-1: index known), index
 LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
@@ -67,11 +70,13 @@ def next_token_loss(logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, tor
         if mask is not None:
             keep = keep & mask[:, 1:].bool() & mask[:, :-1].bool()
         sums = torch.zeros(len(ids), dtype=torch.float64, device=logits.device)
-        for row in range(len(ids)):  # one sample at a time: [seq, vocab] in float64
-            terms = torch.nn.functional.cross_entropy(
-                logits[row, :-1].double(), ids[row, 1:], reduction="none"
-            )
-            sums[row] = terms[keep[row]].sum()
+        for row in range(len(ids)):  # one sample at a time, [positions, vocab] in float64
+            for start in range(0, ids.shape[1] - 1, _CHUNK):
+                end = min(start + _CHUNK, ids.shape[1] - 1)
+                terms = torch.nn.functional.cross_entropy(
+                    logits[row, start:end].double(), ids[row, start + 1 : end + 1], reduction="none"
+                )
+                sums[row] += terms[keep[row, start:end]].sum()
         return sums, keep.sum(1).double()
     if isinstance(batch, (tuple, list)) and len(batch) >= 2 and logits.dim() == 2:
         terms = torch.nn.functional.cross_entropy(logits.double(), batch[1], reduction="none")
@@ -91,15 +96,21 @@ def kl_per_sample(
     """Per sample: the sum over positions of KL(clean || variant) of the softmax over the
     last dimension (float64), and the number of positions (``attention_mask``'s ones)."""
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if mask is not None and not (clean.dim() == 3 and clean.shape[1] == mask.shape[1]):
+        mask = None  # not a mask of these positions
     sums = torch.zeros(len(clean), dtype=torch.float64, device=clean.device)
     for row in range(len(clean)):
-        p = torch.log_softmax(clean[row].double(), -1)
-        q = torch.log_softmax(variant[row].double(), -1)
-        kl = (p.exp() * (p - q)).sum(-1)
-        if mask is not None and kl.dim() == 1 and len(kl) == mask.shape[1]:
-            kl = kl[mask[row].bool()]
-        sums[row] = kl.sum()
-    if mask is not None and clean.dim() == 3:
+        p_row, q_row = (
+            clean[row].reshape(-1, clean.shape[-1]),
+            variant[row].reshape(-1, clean.shape[-1]),
+        )
+        keep = mask[row].bool() if mask is not None else torch.ones(len(p_row), dtype=torch.bool)
+        for start in range(0, len(p_row), _CHUNK):  # [positions, vocab] in float64, in parts
+            p = torch.log_softmax(p_row[start : start + _CHUNK].double(), -1)
+            q = torch.log_softmax(q_row[start : start + _CHUNK].double(), -1)
+            kl = (p.exp() * (p - q)).sum(-1)
+            sums[row] += kl[keep[start : start + _CHUNK].to(kl.device)].sum()
+    if mask is not None:
         return sums, mask.sum(1).double()
     return sums, torch.full_like(sums, float(clean[0].numel() // clean.shape[-1]))
 
@@ -173,6 +184,7 @@ class InterventionEffects(pl.Callback):
         self._indexer: BatchIndexer | None = None
         self._rows: list[torch.Tensor] = []
         self._counter = 0
+        self._stage = "validate"
 
     def names(self, suffix: str = "") -> list[str]:
         """The names logged each epoch (``suffix``: the dataloader's, with several)."""
@@ -216,6 +228,7 @@ class InterventionEffects(pl.Callback):
             catcher = ModelIOCatcher(pl_module, None)
             self._runner = Variants(catcher, self.variants, share=self.share)
         self._indexer = BatchIndexer(stage)
+        self._stage = stage
         self._rows, self._counter = [], 0
         reason = missing_indices_reason(trainer, stage)
         if reason is not None and trainer.world_size > 1:
@@ -232,21 +245,27 @@ class InterventionEffects(pl.Callback):
             return  # the sanity check: nothing is logged for it
         indices = self._indexer(trainer, batch_idx, dataloader_idx)
         repeated = self._indexer.repeated(batch_idx, dataloader_idx)
-        outputs = self._runner(lambda: self.forward(pl_module, batch), indices)
+        precision = trainer.strategy.precision_plugin  # autocast, as around the step itself
+        context = (
+            precision.val_step_context if self._stage == "validate" else precision.test_step_context
+        )
+        with context():
+            outputs = self._runner(lambda: self.forward(pl_module, batch), indices)
         logits = {name: self.output(value) for name, value in outputs.items()}
         columns = [*self._terms(logits[CLEAN], batch)]
         for name in self.variants:
             columns += [*self._terms(logits[name], batch)]
             columns += [*kl_per_sample(logits[CLEAN], logits[name], batch)]
         size = len(columns[0])
-        if indices is None or len(indices) != size:
-            at = torch.arange(self._counter, self._counter + size, dtype=torch.float64)
-            order = at + trainer.global_rank * 2.0**52  # unknown: as they come, rank by rank
-        else:
-            order = torch.tensor(indices, dtype=torch.float64)
+        if indices is None or len(indices) != size:  # unknown: as they come, rank by rank
+            rank = float(trainer.global_rank)
+            order = torch.arange(self._counter, self._counter + size, dtype=torch.float64)
+        else:  # known: in dataset-index order, each sample once
+            rank, order = -1.0, torch.tensor(indices, dtype=torch.float64)
         self._counter += size
+        keys = [torch.full((size,), float(dataloader_idx)), torch.full((size,), rank), order]
         rows = torch.stack(
-            [torch.full((size,), float(dataloader_idx), dtype=torch.float64), order]
+            [key.double() for key in keys]
             + [column.detach().to("cpu", torch.float64) for column in columns],
             dim=1,
         )
@@ -263,36 +282,53 @@ class InterventionEffects(pl.Callback):
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._indexer is None:
             return
-        width = 4 + 4 * len(self.variants)
+        width = _KEYS + 2 + 4 * len(self.variants)
         mine = torch.cat(self._rows) if self._rows else torch.empty(0, width, dtype=torch.float64)
-        rows = _gathered(trainer, mine)
-        order = torch.argsort(rows[:, 1], stable=True)
-        order = order[torch.argsort(rows[order, 0], stable=True)]
-        rows = rows[order]
-        first = torch.ones(len(rows), dtype=torch.bool)  # a sample seen twice counts once
-        first[1:] = (rows[1:, :2] != rows[:-1, :2]).any(1)
-        rows = rows[first]
+        rows = in_sample_order(_gathered(trainer, mine))
         loaders = sorted({int(x) for x in rows[:, 0].tolist()})
         for loader in loaders:
             suffix = f"/dataloader_idx_{loader}" if len(loaders) > 1 else ""
-            sums = _sum_in_order(rows[rows[:, 0] == loader, 2:])
-            values = {f"{self.prefix}/{CLEAN}/loss{suffix}": sums[0] / sums[1]}
+            sums = _sum_in_order(rows[rows[:, 0] == loader, _KEYS:])
+            values = {f"{self.prefix}/{CLEAN}/loss{suffix}": _ratio(sums[0], sums[1])}
             for k, name in enumerate(self.variants):
                 at = 2 + 4 * k
-                values[f"{self.prefix}/{name}/loss{suffix}"] = sums[at] / sums[at + 1]
-                values[f"{self.prefix}/{name}/kl{suffix}"] = sums[at + 2] / sums[at + 3]
+                values[f"{self.prefix}/{name}/loss{suffix}"] = _ratio(sums[at], sums[at + 1])
+                values[f"{self.prefix}/{name}/kl{suffix}"] = _ratio(sums[at + 2], sums[at + 3])
             for name, baseline in self.recovered.items():
                 base = values[f"{self.prefix}/{baseline}/loss{suffix}"]
                 spliced = values[f"{self.prefix}/{name}/loss{suffix}"]
                 clean = values[f"{self.prefix}/{CLEAN}/loss{suffix}"]
-                values[f"{self.prefix}/{name}/loss_recovered{suffix}"] = (base - spliced) / (
-                    base - clean
+                values[f"{self.prefix}/{name}/loss_recovered{suffix}"] = _ratio(
+                    base - spliced, base - clean
                 )
             for key, value in values.items():
                 self.last_values[key] = value
                 logged = torch.tensor(value, dtype=torch.float64, device=pl_module.device)
                 pl_module.log(key, logged, add_dataloader_idx=False, sync_dist=False)
         self._rows = []
+
+
+def in_sample_order(rows: torch.Tensor) -> torch.Tensor:
+    """Samples' rows ``[dataloader, rank, index, ...]`` sorted by those three, each sample
+    of known index (rank -1) once; rows of unknown index (rank >= 0) are all kept.
+
+    Example:
+        >>> rows = torch.tensor([[0, -1, 5, 1.0], [0, 1, 0, 2.0], [0, -1, 2, 3.0],
+        ...                      [0, -1, 5, 1.0], [0, 0, 0, 4.0], [0, 0, 0, 5.0]])
+        >>> in_sample_order(rows)[:, 1:].tolist()
+        [[-1.0, 2.0, 3.0], [-1.0, 5.0, 1.0], [0.0, 0.0, 4.0], [0.0, 0.0, 5.0], [1.0, 0.0, 2.0]]
+    """
+    for column in (2, 1, 0):  # sorted by (dataloader, rank, index), stably
+        rows = rows[torch.argsort(rows[:, column], stable=True)]
+    again = torch.zeros(len(rows), dtype=torch.bool)
+    again[1:] = (rows[1:, :_KEYS] == rows[:-1, :_KEYS]).all(1) & (rows[1:, 1] < 0)
+    return rows[~again]
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``; NaN where the denominator is 0 (no terms, or a baseline
+    whose loss is the clean loss)."""
+    return numerator / denominator if denominator else math.nan
 
 
 def _gathered(trainer: pl.Trainer, rows: torch.Tensor) -> torch.Tensor:

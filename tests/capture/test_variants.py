@@ -105,6 +105,8 @@ def test_each_variant_equals_hand_written_hooks_on_causal_lms(build: Callable, s
         assert torch.equal(outputs[name], expected), name
     assert not torch.equal(outputs["zero"], outputs["clean"])
     assert runner.fallbacks == []
+    if share:  # the layers before the edit point were given a cache they do not write
+        assert "DynamicCache" in runner.notes[0]
 
 
 def test_calls_before_the_edit_point_are_computed_once():
@@ -249,3 +251,87 @@ def test_edits_that_need_the_batch_indices_get_them():
     assert torch.equal(outputs["patched"], by_hand(model, hooks, lambda: model(**inputs).logits))
     with pytest.raises(Exception, match="dataset indices are unknown"):
         runner(lambda: model(**inputs).logits)
+
+
+class Group(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) + 0.0
+
+
+class Shared(nn.Module):
+    """ALBERT-style: one layer, called through a group at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(4, 4)
+        self.group = Group(self.shared)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = torch.tanh(self.group(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("call", [1, 2, 3])
+def test_an_edit_of_one_call_of_a_module_inside_earlier_calls_edits_that_call(call: int):
+    net, x = Shared().eval(), torch.randn(3, 4)
+    variants = {"v": [Steer("shared", torch.ones(4), alpha=5.0, call=call)]}
+    outputs = Variants(ModelIOCatcher(net, "cpu"), variants)(lambda: net(x))
+    calls = [0]
+
+    def hook(m: nn.Module, a: Any, out: torch.Tensor) -> torch.Tensor | None:
+        calls[0] += 1
+        return out + 5.0 if calls[0] - 1 == call else None
+
+    assert torch.equal(outputs["v"], by_hand(net, [], lambda: _with(net.shared, hook, net, x)))
+
+
+def _with(module: nn.Module, hook: Callable, net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    handle = module.register_forward_hook(hook)
+    try:
+        return net(x)
+    finally:
+        handle.remove()
+
+
+def test_a_user_hook_runs_once_and_a_returned_list_appended_to_is_replayed_as_returned():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2)).eval()
+    net[2].register_forward_hook(lambda m, a, out: out + 1)  # a hook of the user's, kept
+    x, v = torch.randn(3, 4), torch.ones(4)
+    outputs = Variants(ModelIOCatcher(net, "cpu"), {"s": [Steer("2", v)]})(lambda: net(x))
+    truth = by_hand(net, [(net[2], "outputs", lambda h: h + v)], lambda: net(x))
+    assert torch.equal(outputs["s"], truth)
+
+    class Listing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone = _Backbone()
+            self.extra, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            features = self.backbone(x)
+            features.append(self.extra(features[-1]))  # appended in place
+            return self.head(torch.stack(features).sum(0))
+
+    net2 = Listing().eval()
+    edits = {"s": [Steer("extra", v, kind="inputs")]}
+    outputs = Variants(ModelIOCatcher(net2, "cpu"), edits)(lambda: net2(x))
+    truth = by_hand(net2, [(net2.extra, "inputs", lambda h: h + v)], lambda: net2(x))
+    assert torch.equal(outputs["s"], truth)
+
+
+class _Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        first = self.a(x)
+        return [first, self.b(first)]

@@ -12,6 +12,7 @@ with 11 samples in batches of 2 (the sampler repeats sample 0 on the second proc
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -93,13 +94,15 @@ def variants() -> dict[str, list[Any]]:
     }
 
 
-def validate(devices: int, n: int = 11, batch_size: int = 2) -> tuple[dict[str, float], LM]:
+def validate(
+    devices: int, n: int = 11, batch_size: int = 2, precision: str = "32-true"
+) -> tuple[dict[str, float], LM]:
     module = LM()
     effects = InterventionEffects(variants(), recovered={"splice": "zero"}, forward=forward)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
         logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, callbacks=[effects],
+        enable_checkpointing=False, callbacks=[effects], precision=precision,
     )  # fmt: skip
     results = trainer.validate(module, DataLoader(samples(n), batch_size=batch_size), verbose=False)
     assert results[0] == pytest.approx(effects.last_values, rel=1e-15)
@@ -115,14 +118,14 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def truth(n: int = 11, batch_size: int = 2) -> dict[str, float]:
+def truth(n: int = 11, batch_size: int = 2, bf16: bool = False) -> dict[str, float]:
     """The hand computation: hooks written here, NumPy float64 for the losses."""
     lm = LM().eval()
     blocks = lm.model.transformer.h
     sae = SAE()
     hooks: dict[str, list[tuple[nn.Module, str, Callable]]] = {
         "clean": [],
-        "splice": [(blocks[2], "outputs", lambda h: sae(h))],
+        "splice": [(blocks[2], "outputs", lambda h: sae(h).to(h.dtype))],
         "zero": [(blocks[2], "outputs", torch.zeros_like)],
         "steer": [(blocks[1], "inputs", lambda h: h + 4.0 * STEER)],
     }
@@ -139,7 +142,7 @@ def truth(n: int = 11, batch_size: int = 2) -> dict[str, float]:
                 else:
                     hook = module.register_forward_pre_hook(lambda m, a, f=new: (f(a[0]),))
                 handles.append(hook)
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
                 logits[name] = forward(lm, batch).logits.double().numpy()
             for handle in handles:
                 handle.remove()
@@ -172,6 +175,30 @@ def test_validate_logs_the_hand_computed_effects():
     for name, value in expected.items():
         assert logged[name] == pytest.approx(value, rel=1e-10), name
     assert min(logged[f"effects/{name}/kl"] for name in ("splice", "zero", "steer")) > 1e-4
+
+
+def test_under_bf16_mixed_the_forwards_run_as_the_validation_step_does():
+    logged, _ = validate(devices=1, n=5, precision="bf16-mixed")
+    expected, full = truth(5, bf16=True), truth(5)
+    for name, value in expected.items():
+        assert logged[name] == pytest.approx(value, rel=1e-10), name
+    assert logged["effects/clean/loss"] != pytest.approx(full["effects/clean/loss"], rel=1e-6)
+
+
+def test_a_baseline_as_good_as_clean_gives_nan_recovered_not_an_error():
+    effects = InterventionEffects(
+        {
+            "a": [Zero("model.transformer.h.2")],
+            "none": [Steer("model.lm_head", torch.zeros(VOCAB))],
+        },
+        recovered={"a": "none"},
+        forward=forward,
+    )
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[effects])  # fmt: skip
+    trainer.validate(LM(), DataLoader(samples(3), batch_size=2), verbose=False)
+    assert effects.last_values["effects/none/kl"] == 0.0
+    assert math.isnan(effects.last_values["effects/a/loss_recovered"])
 
 
 def test_fit_logs_effects_each_validation_epoch_and_not_in_the_sanity_check():

@@ -32,7 +32,7 @@ Example (a plain loop; ``IOCaptureCallback(edits=[StorePatch(...)])`` does it pe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -40,7 +40,7 @@ import torch
 from lightning_iocatch.capture.edits import Edit, Patch
 from lightning_iocatch.errors import CaptureError
 
-__all__ = ["PatchAt", "RowSource", "StorePatch"]
+__all__ = ["PatchAt", "RowSource", "StorePatch", "refuse_left_padding"]
 
 
 class RowSource(Protocol):
@@ -137,8 +137,8 @@ class StorePatch(Edit):
     it stored, ``value[i, position]`` for each stored row of sample ``indices[i]``, and
     leaves the rest of the sequence as it is; its positions are taken as columns of the
     value (dimension 1), which they are for batches without left padding (a store's
-    positions count from each sequence's first real token: with left padding they are
-    not the columns, and are not corrected here).
+    positions count from each sequence's first real token: ``IOCaptureCallback`` and
+    ``InterventionEffects`` refuse a left-padded batch, see :func:`refuse_left_padding`).
 
     Args:
         module: the module's name (exact).
@@ -156,8 +156,9 @@ class StorePatch(Edit):
                 "`store` must be a FeatureStore (or have `rows_at(key, indices)`), got "
                 f"{type(store).__name__}"
             )
-        store.rows_at(key, [])  # the store checks the key now, naming those it has
+        found = store.rows_at(key, [])  # the store checks the key now, naming those it has
         self.store, self.key = store, key
+        self._tokens = found[2] is not None  # token rows: patched at their positions
 
     def __repr__(self) -> str:
         return (
@@ -215,3 +216,25 @@ class StorePatch(Edit):
         if isinstance(dataloader_idx, int):
             described["dataloader_idx"] = dataloader_idx
         return described
+
+
+def refuse_left_padding(edits: Sequence[Edit], batch: Any) -> None:
+    """Raise where a :class:`StorePatch` of token rows meets a left-padded batch (a mapping
+    whose ``attention_mask`` starts a sequence with padding): a store's token positions
+    count from each sequence's first real token, so they would not be its columns.
+
+    Example:
+        >>> refuse_left_padding([], {"attention_mask": torch.tensor([[0, 1]])})  # no patch
+    """
+    if not any(isinstance(edit, StorePatch) and edit._tokens for edit in edits):
+        return
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and len(mask):
+        left = (mask[:, 0] == 0) & mask.bool().any(1)
+        if bool(left.any()):
+            raise CaptureError(
+                "a StorePatch of token rows patches each stored token at its position, "
+                "counted from the sequence's first real token, but this batch is padded on "
+                "the left (attention_mask starts with 0): the positions would not be its "
+                "columns. Pad on the right (tokenizer.padding_side = 'right')"
+            )

@@ -25,6 +25,7 @@ from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit
 from lightning_iocatch.capture.spec import CaptureSpec
+from lightning_iocatch.capture.store_patch import refuse_left_padding
 from lightning_iocatch.checks import (
     check_bool,
     check_int,
@@ -393,6 +394,7 @@ class IOCaptureCallback(Callback):
             self._decide_skip(dataloader_idx, indices)
             self._select_tokens(batch)
         if self.edits:
+            refuse_left_padding(self.edits, batch)
             self._session.set_batch_indices(indices)
 
     def _decide_skip(self, dataloader_idx: int, indices: tuple[int, ...] | None) -> None:

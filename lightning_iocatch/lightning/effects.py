@@ -44,6 +44,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit
+from lightning_iocatch.capture.store_patch import refuse_left_padding
 from lightning_iocatch.capture.variants import CLEAN, Variants
 from lightning_iocatch.lightning.batch_indices import BatchIndexer, missing_indices_reason
 
@@ -57,24 +58,40 @@ LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch
 def next_token_loss(logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sample: the sum of next-token cross-entropies (float64) and their number.
 
-    ``batch["input_ids"]`` (or a batch that is a ``[batch, seq]`` tensor of token ids) are the
-    targets; position ``t`` predicts token ``t + 1``, counted where ``batch["attention_mask"]``
-    (if any) is 1 at both; for a batch ``(x, y)`` with
-    ``logits`` of ``[batch, classes]``, the cross-entropy of ``y``, one term per sample.
+    A batch with ``labels`` (a mapping): as Hugging Face's causal LM loss, position ``t``
+    predicts ``labels[t + 1]``, where it is not -100. Else ``batch["input_ids"]`` (or a batch
+    that is a ``[batch, seq]`` tensor of token ids): position ``t`` predicts token ``t + 1``,
+    counted where ``batch["attention_mask"]`` (if any) is 1 at both. For a batch ``(x, y)``
+    with ``logits`` of ``[batch, classes]``: the cross-entropy of ``y``, one term per sample.
+    Logits of other positions than the tokens' (a prefix of soft prompts) are refused.
     """
     tokens = isinstance(batch, torch.Tensor) and batch.dim() == 2 and not batch.is_floating_point()
     if (tokens or (isinstance(batch, Mapping) and "input_ids" in batch)) and logits.dim() == 3:
         ids = batch if tokens else batch["input_ids"]
         mask = None if tokens else batch.get("attention_mask")
+        labels = None if tokens else batch.get("labels")
+        if labels is not None:
+            ids, mask = labels, None
+        if logits.shape[:2] != ids.shape[:2]:
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} for tokens of shape "
+                f"{tuple(ids.shape)}: the default loss needs one position per token; give "
+                "`output=` returning the tokens' logits, or `loss=` your own"
+            )
         keep = torch.ones_like(ids[:, 1:], dtype=torch.bool)
-        if mask is not None:
+        if labels is not None:
+            keep = ids[:, 1:] != -100
+        elif mask is not None:
             keep = keep & mask[:, 1:].bool() & mask[:, :-1].bool()
         sums = torch.zeros(len(ids), dtype=torch.float64, device=logits.device)
         for row in range(len(ids)):  # one sample at a time, [positions, vocab] in float64
             for start in range(0, ids.shape[1] - 1, _CHUNK):
                 end = min(start + _CHUNK, ids.shape[1] - 1)
                 terms = torch.nn.functional.cross_entropy(
-                    logits[row, start:end].double(), ids[row, start + 1 : end + 1], reduction="none"
+                    logits[row, start:end].double(),
+                    ids[row, start + 1 : end + 1],
+                    reduction="none",
+                    ignore_index=-100,
                 )
                 sums[row] += terms[keep[row, start:end]].sum()
         return sums, keep.sum(1).double()
@@ -94,10 +111,17 @@ def kl_per_sample(
     clean: torch.Tensor, variant: torch.Tensor, batch: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sample: the sum over positions of KL(clean || variant) of the softmax over the
-    last dimension (float64), and the number of positions (``attention_mask``'s ones)."""
+    last dimension (float64; a class the clean logits rule out, -inf, adds nothing), and the
+    number of positions (``attention_mask``'s ones)."""
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    if mask is not None and not (clean.dim() == 3 and clean.shape[1] == mask.shape[1]):
-        mask = None  # not a mask of these positions
+    if mask is not None and clean.dim() == 3 and clean.shape[:2] != mask.shape[:2]:
+        raise ValueError(
+            f"logits of shape {tuple(clean.shape)} for an attention_mask of shape "
+            f"{tuple(mask.shape)}: KL is taken at the mask's positions; give `output=` "
+            "returning one position per token"
+        )
+    if mask is not None and clean.dim() != 3:
+        mask = None  # one distribution per sample: no positions to mask
     sums = torch.zeros(len(clean), dtype=torch.float64, device=clean.device)
     for row in range(len(clean)):
         p_row, q_row = (
@@ -108,7 +132,7 @@ def kl_per_sample(
         for start in range(0, len(p_row), _CHUNK):  # [positions, vocab] in float64, in parts
             p = torch.log_softmax(p_row[start : start + _CHUNK].double(), -1)
             q = torch.log_softmax(q_row[start : start + _CHUNK].double(), -1)
-            kl = (p.exp() * (p - q)).sum(-1)
+            kl = torch.where(torch.isneginf(p), 0.0, p.exp() * (p - q)).sum(-1)  # 0 log 0 = 0
             sums[row] += kl[keep[start : start + _CHUNK].to(kl.device)].sum()
     if mask is not None:
         return sums, mask.sum(1).double()
@@ -245,6 +269,7 @@ class InterventionEffects(pl.Callback):
             return  # the sanity check: nothing is logged for it
         indices = self._indexer(trainer, batch_idx, dataloader_idx)
         repeated = self._indexer.repeated(batch_idx, dataloader_idx)
+        refuse_left_padding([e for edits in self.variants.values() for e in edits], batch)
         precision = trainer.strategy.precision_plugin  # autocast, as around the step itself
         context = (
             precision.val_step_context if self._stage == "validate" else precision.test_step_context
@@ -286,8 +311,10 @@ class InterventionEffects(pl.Callback):
         mine = torch.cat(self._rows) if self._rows else torch.empty(0, width, dtype=torch.float64)
         rows = in_sample_order(_gathered(trainer, mine))
         loaders = sorted({int(x) for x in rows[:, 0].tolist()})
+        counts = trainer.num_val_batches if self._stage == "validate" else trainer.num_test_batches
+        several = len(counts) > 1  # the loop's dataloaders, whether or not each gave rows
         for loader in loaders:
-            suffix = f"/dataloader_idx_{loader}" if len(loaders) > 1 else ""
+            suffix = f"/dataloader_idx_{loader}" if several else ""
             sums = _sum_in_order(rows[rows[:, 0] == loader, _KEYS:])
             values = {f"{self.prefix}/{CLEAN}/loss{suffix}": _ratio(sums[0], sums[1])}
             for k, name in enumerate(self.variants):

@@ -21,7 +21,7 @@ from torch import nn
 from lightning_iocatch import FeatureStore, StoreError
 from lightning_iocatch.capture import ModelIOCatcher
 from lightning_iocatch.capture.edits import Mean, RunningMean, Zero
-from lightning_iocatch.capture.store_patch import PatchAt, StorePatch
+from lightning_iocatch.capture.store_patch import PatchAt, StorePatch, refuse_left_padding
 from lightning_iocatch.errors import CaptureError
 from lightning_iocatch.store.backends.local_records import read_ledgers
 from lightning_iocatch.store.names import INDEX_KEY, POSITION_KEY
@@ -250,6 +250,11 @@ def test_a_token_row_store_patches_exactly_the_stored_positions(tmp_path: Path) 
         model(corrupted[:2])
     with pytest.raises(StoreError, match="holds no sample of dataset index 5"):
         StorePatch("mix", store, "mix/outputs").for_batch([5])
+    # its positions count from the first real token: a left-padded batch is refused
+    left = {"input_ids": ids.flip(1), "attention_mask": mask.flip(1)}
+    with pytest.raises(CaptureError, match="padded on the left"):
+        refuse_left_padding([StorePatch("mix", store, "mix/outputs")], left)
+    refuse_left_padding([StorePatch("mix", store, "mix/outputs")], {"attention_mask": mask})
 
 
 def test_a_running_mean_is_numpys_float64_mean_of_the_values_seen_so_far() -> None:

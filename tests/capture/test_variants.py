@@ -335,3 +335,86 @@ class _Backbone(nn.Module):
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         first = self.a(x)
         return [first, self.b(first)]
+
+
+class InPlaceUnderInference(nn.Module):
+    """A forward entering inference mode itself, changing a block's output in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h += self.b(h)  # a's output, changed after it returned: unseen without versions
+        return self.head(h)
+
+
+class Router(nn.Module):
+    """A module returning torch.return_types (topk), used by name after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.score, self.head = nn.Linear(4, 6), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top = _TopK()(self.score(x))
+        return self.head(top.values)
+
+
+class _TopK(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        return x.topk(2)
+
+
+def test_what_replaying_cannot_see_runs_whole_and_equals_the_truth():
+    x = torch.randn(3, 4)
+    # an inference tensor's changes in place are not seen: such a call is never replayed
+    net = InPlaceUnderInference().eval()
+    outputs = Variants(ModelIOCatcher(net, "cpu"), {"z": [Zero("b")]})(lambda: net(x))
+    assert torch.equal(outputs["z"], by_hand(net, [(net.b, "outputs", torch.zeros_like)],
+                                             lambda: net(x)))  # fmt: skip
+    # an edit function working in place on a replayed output: the batch runs again whole
+    model, _ = gpt2()
+    inputs = batch()
+    clean = by_hand(model, [], lambda: model(**inputs).logits)
+    runner = Variants(
+        ModelIOCatcher(model, "cpu"), {"half": [Replace("lm_head", lambda v: v.mul_(0.5))]}
+    )
+    with pytest.warns(UserWarning, match="in place"):
+        outputs = runner(lambda: model(**inputs).logits)
+    assert torch.equal(outputs["clean"], clean) and torch.equal(outputs["half"], clean * 0.5)
+    # a module replaced after the first call is the one edited
+    net2 = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).eval()
+    runner = Variants(ModelIOCatcher(net2, "cpu"), {"z": [Zero("0")]})
+    runner(lambda: net2(x))
+    net2[0] = nn.Linear(4, 4).eval()
+    outputs = runner(lambda: net2(x))
+    assert torch.equal(outputs["z"], by_hand(net2, [(net2[0], "outputs", torch.zeros_like)],
+                                             lambda: net2(x)))  # fmt: skip
+    # torch.return_types keep their type when replayed
+    router = Router().eval()
+    outputs = Variants(
+        ModelIOCatcher(router, "cpu"), {"s": [Steer("head", torch.ones(2), kind="inputs")]}
+    )(lambda: router(x))
+    assert torch.equal(outputs["s"], by_hand(router, [(router.head, "inputs", lambda h: h + 1)],
+                                             lambda: router(x)))  # fmt: skip
+
+
+def test_a_global_forward_hook_makes_every_variant_run_whole():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).eval()
+    x = torch.randn(3, 4)
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, a, out: out + 1 if isinstance(m, nn.Linear) else None
+    )
+    try:
+        runner = Variants(ModelIOCatcher(net, "cpu"), {"z": [Zero("1")]})
+        with pytest.warns(UserWarning, match="global module forward hook"):
+            outputs = runner(lambda: net(x))
+        truth = by_hand(net, [(net[1], "outputs", torch.zeros_like)], lambda: net(x))
+    finally:
+        handle.remove()
+    assert torch.equal(outputs["z"], truth)

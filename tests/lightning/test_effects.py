@@ -298,3 +298,28 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+
+
+def test_the_default_loss_follows_labels_and_refuses_logits_of_other_positions():
+    from lightning_iocatch.lightning.effects import kl_per_sample, next_token_loss
+
+    lm = LM().eval()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[:, :4] = -100  # a prompt the loss leaves out, as in fine-tuning
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    with torch.no_grad():
+        output = lm.model(**batch)
+    sums, counts = next_token_loss(output.logits, batch)
+    assert float(sums.sum() / counts.sum()) == pytest.approx(float(output.loss), rel=1e-6)
+    with pytest.raises(ValueError, match="one position per token"):
+        next_token_loss(torch.zeros(2, 12, VOCAB), {"input_ids": ids})  # a soft-prompt prefix
+    with pytest.raises(ValueError, match="one position per token"):
+        kl_per_sample(torch.zeros(2, 12, 5), torch.zeros(2, 12, 5), {"attention_mask": ids})
+    # a class ruled out (-inf) in both: it adds nothing, as 0 log 0 = 0 (NumPy, float64)
+    clean, variant = torch.randn(1, 3, 5, dtype=torch.float64), torch.randn(1, 3, 5)
+    clean[..., 4] = variant[..., 4] = -math.inf
+    kl, count = kl_per_sample(clean, variant, {})
+    p, q = log_softmax(clean[..., :4].numpy()), log_softmax(variant[..., :4].double().numpy())
+    assert float(kl[0]) == pytest.approx(float((np.exp(p) * (p - q)).sum()), rel=1e-12)
+    assert count.tolist() == [3.0]

@@ -2,13 +2,15 @@
 
     lightning-iocatch modules TARGET [--spec SPEC]   # TARGET: package.module:attribute
     lightning-iocatch inspect PATH|URL [--expected N] [--dataloader-idx I] [--verify]
-                              [--storage-options JSON]
+                              [--storage-options JSON] [--quiet]
     lightning-iocatch export STORE OUT [--keys K ...] [--layout columns|saelens] [--hook-name NAME]
-                             [--storage-options JSON]
+                             [--storage-options JSON] [--quiet]
     lightning-iocatch plot METRICS [--out DIR]
 
 Also ``python -m lightning_iocatch``. Errors go to stderr in one line, with exit code 2
-(``inspect``: 1 when a dataset index is missing or duplicated).
+(``inspect``: 1 when a dataset index is missing or duplicated). Long work (``export``,
+``inspect --verify``, opening a store of many commit records on object storage) shows a
+progress bar on stderr when stderr is a terminal, never on stdout; ``--quiet`` hides it.
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ def _inspect(args: argparse.Namespace) -> int:
         on_duplicate="first",
         verify=args.verify,
         storage_options=args.storage_options,
+        progress=_progress(args),
     )  # with --verify, every checksum is checked before a shard is read or a line printed
     meta = store.metadata
     on_disk, where = sum(store.backend.names().values()), store.backend.place
@@ -213,6 +216,7 @@ def _export(args: argparse.Namespace) -> int:
         dataloader_idx=args.dataloader_idx,
         storage_options=args.storage_options,
         on_duplicate=args.on_duplicate,
+        progress=_progress(args),
     )
     print(f"wrote {out} (read it with datasets.load_from_disk)")
     return 0
@@ -228,6 +232,19 @@ def _plot(args: argparse.Namespace) -> int:
     for path in save_probe_figures(read_metrics_csv(metrics), out):
         print(f"wrote {path}")
     return 0
+
+
+def _progress(args: argparse.Namespace) -> bool | None:
+    """``--quiet``: no bar; otherwise one where stderr is a terminal."""
+    return False if args.quiet else None
+
+
+def _add_quiet(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar (one is drawn on stderr only when it is a terminal)",
+    )
 
 
 def _add_storage_options(command: argparse.ArgumentParser, what: str) -> None:
@@ -274,6 +291,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="check every shard's checksum first, before reading anything from the shards",
     )
+    _add_quiet(inspect_)
     inspect_.set_defaults(run=_inspect)
     export = commands.add_parser(
         "export",
@@ -309,6 +327,7 @@ def _parser() -> argparse.ArgumentParser:
         default="error",
         help="an index stored twice: refuse the store (default), or export its first commit",
     )
+    _add_quiet(export)
     export.set_defaults(run=_export)
     plot = commands.add_parser(
         "plot",
@@ -324,7 +343,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code.
 
-    Example:
+    Examples:
         >>> main(["modules", "torch.nn:Identity"])  # doctest: +NORMALIZE_WHITESPACE
         name                                             type                               params
         (root)                                           Identity                                0

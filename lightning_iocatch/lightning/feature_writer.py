@@ -95,7 +95,7 @@ class FeatureWriter(CaptureSink):
     other tensor is stored once per batch (see :mod:`lightning_iocatch.store.exactly_once`), except
     a module's whole output, which must have a row per sample.
 
-    Example:
+    Examples:
         >>> import tempfile, lightning.pytorch as pl
         >>> from torch.utils.data import DataLoader, TensorDataset
         >>> from lightning_iocatch import FeatureStore, IOCaptureCallback
@@ -273,8 +273,10 @@ class FeatureWriter(CaptureSink):
             }
             if self.edits is not None:  # only then: stores of dumps without edits resume
                 settings["edits"] = self.edits
+            # in setup, before Lightning's own bar starts: a bar where the Trainer shows one
+            progress = None if trainer.progress_bar_callback is not None else False
             try:
-                outcome = prepare_store(self.backend, self.mode, settings)
+                outcome = prepare_store(self.backend, self.mode, settings, progress=progress)
             except Exception as error:  # raised below, on every rank
                 local, outcome = error, str(error) or type(error).__name__
         outcome = trainer.strategy.broadcast(outcome, src=0)

@@ -16,6 +16,7 @@ The dataset is written with the ``datasets`` library's own Arrow writer and save
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -35,6 +36,7 @@ from lightning_iocatch.store.export_columns import (
     plain_columns,
     saelens_columns,
 )
+from lightning_iocatch.store.progress import progress_bar, show_progress
 from lightning_iocatch.store.reader import FeatureStore, OnDuplicate
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ def export_dataset(
     dataloader_idx: int = 0,
     storage_options: Mapping[str, Any] | None = None,
     on_duplicate: OnDuplicate = "error",
+    progress: bool | None = None,
 ) -> Path:
     """Write the rows of a feature store as a Hugging Face dataset that ``load_from_disk`` reads.
 
@@ -93,6 +96,9 @@ def export_dataset(
         storage_options: fsspec options for a URL ``store_path``.
         on_duplicate: as :class:`~lightning_iocatch.FeatureStore`'s: ``"error"`` refuses a
             store holding an index twice, ``"first"`` exports each from its first commit.
+        progress: progress bars on stderr (rows written; on object storage, the commit
+            records read when opening; ``datasets``' own bar of the save): ``True``,
+            ``False``, or ``None`` (default) for bars only when stderr is a terminal.
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`.
@@ -123,6 +129,7 @@ def export_dataset(
     if hook_name is not None and (not isinstance(hook_name, str) or not hook_name):
         raise ExportError(f"`hook_name` must be a non-empty str, got {hook_name!r}")
     _require_datasets()
+    show = show_progress(progress)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"`out_dir` {str(out)!r} exists and is not an empty directory")
@@ -131,6 +138,7 @@ def export_dataset(
         dataloader_idx=dataloader_idx,
         storage_options=storage_options,
         on_duplicate=on_duplicate,
+        progress=show,
     )
     if store.backend.contains(out):
         raise ExportError(f"`out_dir` {str(out)!r} is inside the store; choose another directory")
@@ -140,7 +148,7 @@ def export_dataset(
     else:
         columns = saelens_columns(meta, store.backend, keys, hook_name, token_ids_key)
     _check_same_rows(store, columns)
-    _write(store, columns, out, batch_rows)
+    _write(store, columns, out, batch_rows, show)
     return out
 
 
@@ -223,7 +231,11 @@ def _to_numpy(rows: torch.Tensor, column: ExportColumn) -> np.ndarray:
 
 
 def _write(
-    store: FeatureStore, columns: list[ExportColumn], out: Path, batch_rows: int | None
+    store: FeatureStore,
+    columns: list[ExportColumn],
+    out: Path,
+    batch_rows: int | None,
+    progress: bool,
 ) -> None:
     from datasets import Dataset
     from datasets.arrow_writer import ArrowWriter
@@ -239,12 +251,34 @@ def _write(
     scratch = Path(tempfile.mkdtemp(prefix=".iocatch-export-", dir=out.parent))
     try:
         arrow_file = scratch / "rows.arrow"
-        with ArrowWriter(features=features, path=str(arrow_file)) as writer:
+        rows = store.row_count(columns[0].key)
+        with (
+            ArrowWriter(features=features, path=str(arrow_file)) as writer,
+            progress_bar(progress, "export", total=rows, unit="row") as advance,
+        ):
             for chunk in _chunks(store, columns, batch_rows):
                 writer.write_batch(chunk)
+                advance(len(chunk[INDEX_COLUMN]))
             writer.finalize()
         dataset = Dataset.from_file(str(arrow_file))
-        dataset.save_to_disk(str(out))
+        with _datasets_bars(progress):
+            dataset.save_to_disk(str(out))
         del dataset
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _datasets_bars(show: bool) -> Iterator[None]:
+    """``datasets`` draws its own bars whether or not stderr is a terminal: off while the
+    block runs unless ``show`` (a switch of the whole process, put back afterwards)."""
+    from datasets import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    if show or are_progress_bars_disabled():
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()

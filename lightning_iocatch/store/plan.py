@@ -29,12 +29,15 @@ from lightning_iocatch.store.names import (
     is_store_file,
     shard_rank_and_seq,
 )
+from lightning_iocatch.store.progress import show_progress
 from lightning_iocatch.store.stored_batches import CommittedShard, first_commits, stored_batches
 
 __all__ = ["MODES", "Mode", "StorePlan", "prepare_store"]
 
 Mode = Literal["create", "resume", "overwrite"]
+"""How a dump treats a place that holds a store: see :func:`prepare_store`."""
 MODES: tuple[Mode, ...] = ("create", "resume", "overwrite")
+"""Every :data:`Mode`, in the order the errors list them."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ def prepare_store(
     settings: Mapping[str, Any],
     *,
     storage_options: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
 ) -> StorePlan:
     """Make ``path`` ready for writing in ``mode``; call it on one process, before any writes.
 
@@ -86,18 +90,22 @@ def prepare_store(
 
     ``path`` may be an fsspec URL (``s3://bucket/run``, with ``storage_options``): the same
     rules on a prefix of object storage (see :mod:`lightning_iocatch.store.backends`).
+    There, where a resume reads the commit records and deletes the debris, and where an
+    overwrite deletes the old store, ``progress`` shows a bar on stderr: ``True``, ``False``,
+    or ``None`` (default) for one when stderr is a terminal (see :mod:`~.progress`).
 
     Raises:
         StoreError: naming the path, what is wrong and the fix.
     """
     backend = open_backend(path, storage_options)
+    show = show_progress(progress)
     if mode == "resume":
-        return _resume(backend, settings)
+        return _resume(backend, settings, show)
     names = backend.names()
     if mode == "create" and names and not _never_committed(names):
         _refuse_not_empty(backend, sorted(names))
     if names:  # overwrite, or create over a start that never committed anything
-        backend.clear(names)
+        backend.clear(names, progress=show)
     backend.write_info(_store_json(settings))
     return StorePlan(backend.read_info())
 
@@ -129,7 +137,7 @@ def _refuse_not_empty(backend: StoreBackend, names: list[str]) -> None:
     )
 
 
-def _resume(backend: StoreBackend, settings: Mapping[str, Any]) -> StorePlan:
+def _resume(backend: StoreBackend, settings: Mapping[str, Any], progress: bool) -> StorePlan:
     if not backend.has_info():
         raise StoreError(
             f"nothing to resume in {backend}: it holds no {STORE_FILE}; use mode='create'"
@@ -140,13 +148,13 @@ def _resume(backend: StoreBackend, settings: Mapping[str, Any]) -> StorePlan:
         if name == "spec" and (had is None or now is None):
             continue  # a writer used without IOCaptureCallback knows no spec
         if had != now and _never_committed(backend.names()):  # nothing depends on them
-            return prepare_store(backend, "overwrite", settings)
+            return prepare_store(backend, "overwrite", settings, progress=progress)
         if had != now:
             raise StoreError(
                 f"{backend} holds captures with {name} {had!r}, but this writer's {name} is "
                 f"{now!r}; resume with the same {name}, or write to another path"
             )
-    committed = backend.clean_for_resume(info["format"])
+    committed = backend.clean_for_resume(info["format"], progress=progress)
     shards = backend.open_shards(committed)
     sources = [CommittedShard(shards[entry.record.file], entry) for entry in committed.entries]
     next_seq: dict[int, int] = {}

@@ -23,6 +23,7 @@ from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.index_set import IndexSet
 from lightning_iocatch.store.names import INDEX_KEY, POSITION_KEY
+from lightning_iocatch.store.progress import progress_bar, show_progress
 from lightning_iocatch.store.sample_rows import RowLookup, SampleRows, as_indices
 from lightning_iocatch.store.stored_batches import (
     CommittedShard,
@@ -36,6 +37,7 @@ from lightning_iocatch.suggest import close_names
 __all__ = ["FeatureStore"]
 
 OnDuplicate = Literal["error", "first"]
+"""What a reader does with a sample stored twice: refuse the store, or keep its first commit."""
 _MAX_LISTED = 10_000_000  # missing indices listed one by one
 _ON_DUPLICATE = ("error", "first")
 
@@ -59,6 +61,9 @@ class FeatureStore:
         verify: check every shard's CRC-32 (reading every byte) before reading anything
             from the shards, as :meth:`verify` does.
         storage_options: fsspec options for a URL ``path`` (credentials, endpoint, ...).
+        progress: progress bars on stderr for :meth:`verify` (per shard checked) and, on
+            object storage, for reading the commit records when opening: ``True``,
+            ``False``, or ``None`` (default) for bars only when stderr is a terminal.
 
     What can be read:
 
@@ -98,8 +103,10 @@ class FeatureStore:
         on_duplicate: OnDuplicate = "error",
         verify: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        progress: bool | None = None,
     ) -> None:
         backend = open_backend(path, storage_options)
+        self._progress = show_progress(progress)
         if type(dataloader_idx) is not int:
             raise TypeError(f"`dataloader_idx` must be an int, got {dataloader_idx!r}")
         if dataloader_idx < 0:
@@ -112,7 +119,7 @@ class FeatureStore:
         self.path = backend.path  # a local directory, or an ObjectLocation
         self.dataloader_idx = dataloader_idx
         self._info = backend.read_info()
-        committed = backend.committed(self._info["format"])
+        committed = backend.committed(self._info["format"], progress=self._progress)
         shards = backend.open_shards(committed)
         self._records = [entry.record for entry in committed.entries]
         self._sources = [CommittedShard(shards[e.record.file], e) for e in committed.entries]
@@ -431,11 +438,15 @@ class FeatureStore:
 
     def verify(self) -> None:
         """Check every shard's CRC-32 against its record, and every batch's ``__index__``
-        against its summary (reads every byte)."""
-        for source in self._sources:
-            if source.shard.crc32() != source.record.crc32:
-                raise StoreError(f"shard {source} does not match its checksum: it is corrupted")
-            source.indices(range(len(source.record.batches)))
+        against its summary (reads every byte), with a bar per shard where the store shows
+        them (its ``progress``)."""
+        shards = len(self._sources)
+        with progress_bar(self._progress, "verify", total=shards, unit="shard") as advance:
+            for source in self._sources:
+                if source.shard.crc32() != source.record.crc32:
+                    raise StoreError(f"shard {source} does not match its checksum: it is corrupted")
+                source.indices(range(len(source.record.batches)))
+                advance(1)
 
     def __repr__(self) -> str:
         return f"FeatureStore({str(self.path)!r}, rows={len(self)}, keys={len(self._dtypes)})"

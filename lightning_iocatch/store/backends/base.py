@@ -158,9 +158,10 @@ class StoreBackend(ABC):
         (``commits/r000-000000.json``), with its size: the store's own and anyone else's."""
 
     @abstractmethod
-    def committed(self, store_format: str) -> Committed:
+    def committed(self, store_format: str, *, progress: bool = False) -> Committed:
         """The record of every committed shard, by rank then sequence number (both kinds of
-        commit point); damage is an error naming the file and line or object."""
+        commit point); damage is an error naming the file and line or object. ``progress``
+        (here and below): a bar on stderr where the work can be long (object storage)."""
 
     @abstractmethod
     def open_shards(self, committed: Committed) -> dict[str, Shard]:
@@ -190,13 +191,13 @@ class StoreBackend(ABC):
     # Cleaning
 
     @abstractmethod
-    def clear(self, names: Mapping[str, int]) -> None:
+    def clear(self, names: Mapping[str, int], *, progress: bool = False) -> None:
         """Delete the store's own files or objects among ``names`` (what :meth:`names` gave;
         ``mode="overwrite"``), nothing else: ``store.json`` first, then the commit points,
         then the shards."""
 
     @abstractmethod
-    def clean_for_resume(self, store_format: str) -> Committed:
+    def clean_for_resume(self, store_format: str, *, progress: bool = False) -> Committed:
         """Make the store ready to continue (``mode="resume"``): complete or cut the last
         ledger lines, delete what no record commits (debris of a killed run) and nothing
         else. What is committed, as :meth:`committed` gives it."""

@@ -217,7 +217,8 @@ class LocalBackend(StoreBackend):
                     found[f"{COMMITS}/{entry.name}"] = entry.stat(follow_symlinks=False).st_size
         return found
 
-    def committed(self, store_format: str) -> Committed:
+    def committed(self, store_format: str, *, progress: bool = False) -> Committed:
+        """Local records read in a moment: no bar (``progress`` is ignored)."""
         version = format_version(store_format)
         entries = read_ledger_entries(self.root, version)
         entries += read_commit_files(self.root, store_format=store_format)
@@ -276,7 +277,7 @@ class LocalBackend(StoreBackend):
 
     # Cleaning
 
-    def clear(self, names: Mapping[str, int]) -> None:
+    def clear(self, names: Mapping[str, int], *, progress: bool = False) -> None:
         with self._errors("prepare the feature store"):
             top = sorted(name for name in names if "/" not in name)  # commits/: its own turn
             points = [n for n in top if n == STORE_FILE or ledger_rank(n) is not None]
@@ -300,7 +301,7 @@ class LocalBackend(StoreBackend):
         elif self._is_our_serializer_temp(name):
             (self.root / name).unlink()
 
-    def clean_for_resume(self, store_format: str) -> Committed:
+    def clean_for_resume(self, store_format: str, *, progress: bool = False) -> Committed:
         with self._errors("prepare the feature store"):
             names = _list_dir(self.root)
             for name in names:

@@ -39,7 +39,7 @@ def open_backend(
         StoreError: a URL fsspec cannot open (an unknown protocol, a missing package),
             naming the URL and the fix.
 
-    Example:
+    Examples:
         >>> open_backend("features/")
         LocalBackend('features')
         >>> open_backend("memory://bucket/run")

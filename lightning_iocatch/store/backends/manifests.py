@@ -11,7 +11,7 @@ record (its own ``record_crc32``, the shard it names, one line per shard in orde
 manifest written in one request is there whole or not at all; a kill between it and the
 deletes leaves records it repeats, which readers skip.
 
-Example:
+Examples:
     >>> runs([3, 4, 5, 9, 10])
     [[3, 4, 5], [9, 10]]
 """

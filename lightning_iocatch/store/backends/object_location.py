@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.names import is_own_object
+from lightning_iocatch.store.progress import Advance
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -218,7 +219,13 @@ def write_object(location: ObjectLocation, name: str, data: bytes) -> None:
         location.fs.pipe_file(location.path(name), data)
 
 
-def delete_objects(location: ObjectLocation, names: Iterable[str], *, verify: bool = True) -> None:
+def delete_objects(
+    location: ObjectLocation,
+    names: Iterable[str],
+    *,
+    verify: bool = True,
+    advance: Advance | None = None,
+) -> None:
     """Delete the store's own objects ``names``, then (``verify``) list the prefix to see
     them gone.
 
@@ -226,6 +233,7 @@ def delete_objects(location: ObjectLocation, names: Iterable[str], *, verify: bo
     glob characters a prefix may hold), 16 requests at a time. A delete that fails quietly
     (S3's batch delete answers 200 and a per-key AccessDenied, which s3fs ignores) leaves
     the object listed: that raises a :class:`StoreError` naming what is left.
+    ``advance(1)`` after each delete, where given (for a progress bar).
     """
     wanted = sorted({name for name in names if is_own_object(name)})
     if not wanted:
@@ -238,7 +246,9 @@ def delete_objects(location: ObjectLocation, names: Iterable[str], *, verify: bo
             fs.rm_file(location.path(name))
 
     with ThreadPoolExecutor(min(16, len(wanted))) as pool:
-        list(pool.map(delete, wanted))  # the first failure is raised here
+        for _ in pool.map(delete, wanted):  # the first failure is raised here
+            if advance is not None:
+                advance(1)
     if not verify:
         return
     left = [name for name in wanted if name in list_objects(location)]

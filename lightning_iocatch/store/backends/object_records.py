@@ -40,11 +40,13 @@ from lightning_iocatch.store.names import (
     manifest_span,
     shard_rank_and_seq,
 )
+from lightning_iocatch.store.progress import Advance, progress_bar
 from lightning_iocatch.store.records import ShardRecord, format_version
 
 __all__ = ["commit_shard", "list_commit_points", "read_commit_entries", "write_manifests"]
 
 _LEDGER_STEM = "ledger-"
+_FETCH_CHUNK = 1000  # objects fetched in one concurrent request (a bar moves on per chunk)
 
 
 def list_commit_points(location: ObjectLocation) -> dict[str, int]:
@@ -78,7 +80,7 @@ def commit_shard(location: ObjectLocation, record: ShardRecord) -> None:
 
 
 def read_commit_entries(
-    location: ObjectLocation, listing: dict[str, int], *, store_format: str
+    location: ObjectLocation, listing: dict[str, int], *, store_format: str, progress: bool = False
 ) -> list[LedgerEntry]:
     """The record of every committed shard, by rank then sequence number: from a manifest
     (see :mod:`~.manifests`), its commit record, or its line in a ledger object (a store
@@ -89,7 +91,7 @@ def read_commit_entries(
     carry no checksum); every object is fetched by its exact name, concurrently where the
     filesystem can, and a commit record a manifest holds is not fetched (a resume
     deletes it, but a kill may leave it). Damage raises a :class:`StoreError` naming the
-    object (and the line).
+    object (and the line). ``progress``: a bar of the objects fetched, on stderr.
     """
     manifests = sorted((span, name) for name in listing if (span := manifest_span(name)))
     held = held_by_manifests(span for span, _ in manifests)
@@ -100,7 +102,8 @@ def read_commit_entries(
     )
     ledgers = sorted(name for name in listing if ledger_rank(name) is not None)
     names = [name for _, name in manifests] + [name for _, name in commits] + ledgers
-    fetched = iter(_fetch_whole(location, names))
+    with progress_bar(progress, "read commit records", total=len(names), unit="obj") as advance:
+        fetched = iter(_fetch_whole(location, names, advance))
     version = format_version(store_format)
     every = merge_entries(
         [(span, location.url_of(name), next(fetched)) for span, name in manifests],
@@ -118,20 +121,24 @@ def read_commit_entries(
     return sorted(every, key=lambda entry: entry.commit_order)
 
 
-def _fetch_whole(location: ObjectLocation, names: list[str]) -> list[bytes]:
-    """The bytes of each object ``names``, concurrently where the filesystem can."""
-    if not names:
-        return []
-    paths = [location.path(name) for name in names]
-    with remote_request("read commit records in", location.url):
-        fetched = location.fs.cat_ranges(
-            paths, [None] * len(paths), [None] * len(paths), on_error="return"
-        )
-    for name, data in zip(names, fetched, strict=True):
-        if not isinstance(data, bytes):
-            failure = data if isinstance(data, BaseException) else OSError(repr(data))
-            raise remote_error("read", location.url_of(name), failure)
-    return list(fetched)
+def _fetch_whole(location: ObjectLocation, names: list[str], advance: Advance) -> list[bytes]:
+    """The bytes of each object ``names``, concurrently where the filesystem can, a thousand
+    at a time (``advance`` after each thousand)."""
+    out: list[bytes] = []
+    for start in range(0, len(names), _FETCH_CHUNK):
+        chunk = names[start : start + _FETCH_CHUNK]
+        paths = [location.path(name) for name in chunk]
+        with remote_request("read commit records in", location.url):
+            fetched = location.fs.cat_ranges(
+                paths, [None] * len(paths), [None] * len(paths), on_error="return"
+            )
+        for name, data in zip(chunk, fetched, strict=True):
+            if not isinstance(data, bytes):
+                failure = data if isinstance(data, BaseException) else OSError(repr(data))
+                raise remote_error("read", location.url_of(name), failure)
+            out.append(data)
+        advance(len(chunk))
+    return out
 
 
 def write_manifests(location: ObjectLocation, records: Iterable[ShardRecord]) -> None:

@@ -80,8 +80,10 @@ from lightning_iocatch.store.names import (
     STORE_FILE,
     check_store_json,
     is_commit_point,
+    is_own_object,
     shard_rank_and_seq,
 )
+from lightning_iocatch.store.progress import progress_bar
 from lightning_iocatch.store.records import ShardRecord
 
 __all__ = ["ObjectBackend", "read_store_info", "write_shard_object"]
@@ -177,12 +179,14 @@ class ObjectBackend(StoreBackend):
     def names(self) -> dict[str, int]:
         return list_objects(self.location)
 
-    def committed(self, store_format: str) -> Committed:
+    def committed(self, store_format: str, *, progress: bool = False) -> Committed:
         """The records, from listings of ``commits/`` and of the ledgers alone: the shards
         are not listed (a store of 30,000 shards would take 30 more pages), so their sizes
         are checked when each is first read."""
         listing = list_commit_points(self.location)
-        entries = read_commit_entries(self.location, listing, store_format=store_format)
+        entries = read_commit_entries(
+            self.location, listing, store_format=store_format, progress=progress
+        )
         return Committed(entries)
 
     def open_shards(self, committed: Committed) -> dict[str, Shard]:
@@ -195,25 +199,30 @@ class ObjectBackend(StoreBackend):
     def commit(self, record: ShardRecord, *, durable: bool) -> None:
         commit_shard(self.location, record)
 
-    def clear(self, names: Mapping[str, int]) -> None:
+    def clear(self, names: Mapping[str, int], *, progress: bool = False) -> None:
         """``store.json`` first (a store cut short here is no store at all), then every commit
         point (then no shard counts), then the shards."""
         points = {name for name in names if is_commit_point(name)}
-        delete_objects(self.location, [name for name in names if name == STORE_FILE])
-        delete_objects(self.location, points)
-        delete_objects(self.location, [n for n in names if n != STORE_FILE and n not in points])
+        own = sum(is_own_object(name) for name in names)
+        with progress_bar(progress, "delete the old store", total=own, unit="obj") as advance:
+            delete_objects(self.location, [n for n in names if n == STORE_FILE], advance=advance)
+            delete_objects(self.location, points, advance=advance)
+            rest = [n for n in names if n != STORE_FILE and n not in points]
+            delete_objects(self.location, rest, advance=advance)
 
     def compact(self, records: Sequence[ShardRecord]) -> None:
         """Manifests of ``records``, one per run of a rank's consecutive shards; the commit
         records they hold are then deleted."""
         write_manifests(self.location, records)
 
-    def clean_for_resume(self, store_format: str) -> Committed:
+    def clean_for_resume(self, store_format: str, *, progress: bool = False) -> Committed:
         """Delete shard objects without a commit record (or ledger line: a store copied from
         disk); gather the commit records no manifest holds (those of a killed run) into
         manifests. One listing of the whole prefix gives the shards' sizes too."""
         listing = list_objects(self.location)
-        entries = read_commit_entries(self.location, listing, store_format=store_format)
+        entries = read_commit_entries(
+            self.location, listing, store_format=store_format, progress=progress
+        )
         write_manifests(self.location, [e.record for e in entries if e.line == 0])
         kept = {entry.record.file for entry in entries}
         uncommitted = [
@@ -221,7 +230,9 @@ class ObjectBackend(StoreBackend):
             for name in listing
             if shard_rank_and_seq(name.removesuffix(".tmp")) is not None and name not in kept
         ]
-        delete_objects(self.location, uncommitted)
+        own = sum(is_own_object(name) for name in uncommitted)
+        with progress_bar(progress, "delete uncommitted shards", total=own, unit="obj") as advance:
+            delete_objects(self.location, uncommitted, advance=advance)
         for name in uncommitted:
             del listing[name]
         return Committed(entries, listing)

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck unit demo bench bench-tokens bench-effects test-peers clean
+.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-effects test-peers clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -17,17 +17,26 @@ $(BIN)/.installed: pyproject.toml Makefile
 venv: $(BIN)/.installed
 
 lint: venv
-	$(BIN)/ruff check lightning_iocatch tests examples benchmarks
-	$(BIN)/ruff format --check lightning_iocatch tests examples benchmarks README.md
+	$(BIN)/ruff check lightning_iocatch tests examples benchmarks tools
+	$(BIN)/ruff format --check lightning_iocatch tests examples benchmarks tools README.md
 	$(BIN)/lint-imports  # the layer rules of docs/architecture.md (contracts: pyproject.toml)
 
 typecheck: venv
 	$(BIN)/mypy lightning_iocatch
 
+# The documentation site: a broken link, a missing page or a docstring mkdocstrings
+# cannot read fails the strict build; tests/test_docs.py checks every public name is in it.
+docs-check: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir .site-check
+
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+	@echo "open site/index.html"
+
 unit: venv
 	$(BIN)/pytest -q
 
-test: lint typecheck unit
+test: lint typecheck docs-check unit
 
 demo: venv
 	$(BIN)/python examples/demo.py
@@ -55,4 +64,4 @@ bench-effects: venv
 	$(BIN)/python benchmarks/effects.py
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .ruff_cache site .site-check

@@ -1,4 +1,4 @@
-"""Run every CPU benchmark and print the README's performance table (markdown).
+"""Run every CPU benchmark and print the performance table of docs/performance.md (markdown).
 
     python benchmarks/report.py            # about 4 minutes on 2 cores
     python benchmarks/report.py --quick    # smoke test

@@ -17,7 +17,7 @@ variants alike) and prints JSON with, in one run:
 - ``open`` and ``read_key``: the requests and bytes of opening the store and reading a key
   (ranged reads: the headers, then just the key's tensors);
 - ``commit_listing``: seconds to list and fetch N commit records (what a reader and a
-  resume do first), for the README's cluster-scale estimate.
+  resume do first), for the cluster-scale estimate (docs/cluster-scale.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Public names load on first use (PEP 562), so ``import lightning_iocatch`` and the
 command line stay quick when Lightning itself is not needed.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_iocatch import ModelIOCatcher

@@ -1,6 +1,6 @@
 """Checks of user arguments at the boundary: one clear error naming the argument.
 
-Example:
+Examples:
     >>> parse_dtype("dtype", "bfloat16")
     torch.bfloat16
     >>> check_int("max_shard_bytes", True, minimum=1)

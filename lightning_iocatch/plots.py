@@ -60,7 +60,7 @@ def _natural(text: str) -> list[Any]:
 def read_metrics_csv(path: str | os.PathLike[str]) -> History:
     """``{name: [(epoch, value), ...]}`` of every ``iocatch/`` column of a CSVLogger file.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> path = Path(tempfile.mkdtemp()) / "metrics.csv"
         >>> _ = path.write_text("epoch,step,iocatch/a/outputs/probe_acc\\n0,9,0.5\\n1,19,0.75\\n")

@@ -21,7 +21,7 @@ def close_names(name: str, available: Iterable[str], cutoff: float = 0.6) -> lis
     Names that end with ``"." + name`` (a prefix left out) come first; otherwise
     ``difflib`` picks among the names with the same numbers, in the same order.
 
-    Example:
+    Examples:
         >>> close_names("layers.1", ["model.layers.1", "model.layers.11", "model.layer.1"])
         ['model.layers.1']
         >>> close_names("model.layers.12", ["model.layers.1", "model.layers.2"])

@@ -1,4 +1,5 @@
-"""Every Python block of README.md runs, as written, so the README cannot drift from the code.
+"""Every Python block of README.md and of the docs runs, as written, so they cannot drift
+from the code.
 
 Each block runs in a fresh directory with the fixtures it uses but does not define (and
 nothing else: a block imports every name of the library it uses): a small
@@ -26,8 +27,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.conftest import RowLinear
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+BLOCKS = {
+    f"{page.relative_to(ROOT)}:{number}": code
+    for page in PAGES
+    for number, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+}
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*does not have many workers", "ignore:The number of training batches"
@@ -138,14 +145,14 @@ def namespace(code: str, request: pytest.FixtureRequest) -> dict[str, Any]:
     return names
 
 
-@pytest.mark.parametrize("number", range(len(BLOCKS)))
-def test_a_python_block_of_the_readme_runs(
-    number: int,
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_a_python_block_of_the_readme_or_the_docs_runs(
+    block: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
 ) -> None:
-    code = BLOCKS[number]
+    code = BLOCKS[block]
     if "s3://" in code:
         server = request.getfixturevalue("server")
         server.make_bucket("bucket")
@@ -154,8 +161,9 @@ def test_a_python_block_of_the_readme_runs(
         code = code.replace(written, f"options = {server.storage_options()!r}")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(pl, "Trainer", Trainer)  # also for `from lightning.pytorch import`
-    exec(compile(code, f"README.md block {number}", "exec"), namespace(code, request))
+    exec(compile(code, block, "exec"), namespace(code, request))
 
 
-def test_the_readme_has_the_blocks_this_test_runs() -> None:
-    assert len(BLOCKS) >= 8 and any("FeatureWriter(" in block for block in BLOCKS)
+def test_the_readme_and_the_docs_have_the_blocks_this_test_runs() -> None:
+    assert sum(name.startswith("README.md") for name in BLOCKS) >= 3
+    assert len(BLOCKS) >= 16 and any("FeatureWriter(" in code for code in BLOCKS.values())

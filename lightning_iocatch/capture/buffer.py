@@ -44,7 +44,7 @@ class CaptureBuffer(Mapping[str, Entries]):
     components that wrappers insert (:data:`~lightning_iocatch.capture.spec.WRAPPER_COMPONENTS`);
     a name with them is accepted too.
 
-    Example:
+    Examples:
         >>> buf = CaptureBuffer.empty(["h.0"])
         >>> import torch
         >>> buf.add("h.0", "outputs", torch.zeros(2))

@@ -51,7 +51,7 @@ def module_index(model: nn.Module) -> dict[str, nn.Module]:
     activation checkpointing). Where a wrapper and the module it wraps share a
     name, the wrapped (inner) module wins: hooks go on the user's own layer.
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.Linear(2, 2))
         >>> list(module_index(net))
         ['', '0']
@@ -123,7 +123,7 @@ class ModelIOCatcher:
     :mod:`~lightning_iocatch.capture.edits`), and a forward stops early only once every open
     session has early exit and is done (see :class:`ForwardCoordinator`).
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> catcher = ModelIOCatcher(net, "cpu")
         >>> with catcher(inputs=["2"], outputs=["0"]) as buf:

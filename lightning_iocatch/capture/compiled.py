@@ -180,7 +180,7 @@ def prepare_for_hooks(model: nn.Module, modules: dict[str, nn.Module] | None = N
         CaptureError: a module in ``modules`` would run its hooks inside code compiled
             with ``fullgraph=True``; the message names it and says what to do.
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
         >>> net.compile(fullgraph=True)
         >>> prepare_for_hooks(net, {"0": net[0]})

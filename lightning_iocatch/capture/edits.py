@@ -29,7 +29,7 @@ row of a store: :class:`~lightning_iocatch.capture.store_patch.StorePatch`) beco
 concrete edit for each batch through :meth:`Edit.for_batch`, given the batch's dataset
 indices; every other edit is its own concrete edit.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_iocatch.capture import ModelIOCatcher

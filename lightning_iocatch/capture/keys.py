@@ -24,7 +24,7 @@ __all__ = ["entry_prefix", "flatten_captures", "flatten_value"]
 def entry_prefix(name: str, kind: str, call: int) -> str:
     """The key of call ``call`` of module ``name``'s ``kind``: ``h.0/outputs``, ``h.0/outputs@1``.
 
-    Example:
+    Examples:
         >>> entry_prefix("h.0", "outputs", 0), entry_prefix("h.0", "inputs", 2)
         ('h.0/outputs', 'h.0/inputs@2')
     """
@@ -34,7 +34,7 @@ def entry_prefix(name: str, kind: str, call: int) -> str:
 def flatten_value(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(key, tensor)`` for every tensor inside ``value``, keys starting with ``prefix``.
 
-    Example:
+    Examples:
         >>> x = torch.zeros(1)
         >>> [k for k, _ in flatten_value({"args": (x,), "kwargs": {"mask": x}}, "m/inputs")]
         ['m/inputs/args/0', 'm/inputs/kwargs/mask']
@@ -61,7 +61,7 @@ def flatten_captures(
     equal to a position, a module name with ``/``) are refused with a ``CaptureError``
     naming the key, never overwritten.
 
-    Example:
+    Examples:
         >>> buf = {"h.0": {"inputs": [], "outputs": [(torch.zeros(2, 3), None)]}}
         >>> {k: tuple(v.shape) for k, v in flatten_captures(buf).items()}
         {'h.0/outputs/0': (2, 3)}

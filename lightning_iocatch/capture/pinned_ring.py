@@ -69,7 +69,7 @@ class PinnedRing:
     page-locked host memory; tests pass ordinary memory). Regions start at
     multiples of ``align`` bytes. Thread-safe.
 
-    Example:
+    Examples:
         >>> ring = PinnedRing(1024, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
         >>> copy, staging = ring.stage(torch.Size([64]), torch.float32)  # 256 bytes
         >>> ring.in_flight_bytes

@@ -149,7 +149,7 @@ class CaptureSession:
         """Return what was captured so far, settled, and continue into a fresh, empty buffer
         whose captures go through ``transform`` (the next batch's; ``None``: none).
 
-        Example:
+        Examples:
             >>> from lightning_iocatch.capture.catcher import ModelIOCatcher
             >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
             >>> session = ModelIOCatcher(net, "cpu")(outputs=["0"])

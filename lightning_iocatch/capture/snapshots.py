@@ -63,7 +63,7 @@ class NotCaptured:
     the running model that may change right after the capture: it is replaced by this
     placeholder, which names its type.
 
-    Example:
+    Examples:
         >>> class Cache: ...
         >>> snapshot({"x": torch.ones(1), "cache": Cache(), "n": 3})["cache"]
         NotCaptured(type_name='lightning_iocatch.capture.snapshots.Cache')
@@ -167,7 +167,7 @@ def transfer_to_device(
     ``dtype`` casts floating-point tensors only. Copies from a GPU to the CPU are
     synchronous, so a returned tensor is always complete.
 
-    Example:
+    Examples:
         >>> x = torch.ones(2, requires_grad=True)
         >>> out = transfer_to_device({"h": (x * 2,), "n": 3}, "cpu", dtype=torch.float16)
         >>> out["h"][0], out["h"][0].requires_grad, out["n"]

@@ -54,7 +54,7 @@ WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoin
 class CaptureSpec:
     """What to capture: module names (or globs) whose inputs and outputs are wanted.
 
-    Example:
+    Examples:
         >>> CaptureSpec.parse("inputs[model.h.0]|outputs[model.h.*]")
         CaptureSpec(inputs=('model.h.0',), outputs=('model.h.*',))
         >>> CaptureSpec(outputs=("a", "b")).to_string()
@@ -108,7 +108,7 @@ def parse_io_spec(spec: str) -> tuple[list[str], list[str]]:
     brackets, stray text or an empty spec, raises :class:`SpecError` with a pointer to
     the offending position.
 
-    Example:
+    Examples:
         >>> parse_io_spec("inputs[model.layers.0]|outputs[model.layers.0|model.layers.5]")
         (['model.layers.0'], ['model.layers.0', 'model.layers.5'])
         >>> parse_io_spec("outputs[ encoder.**.mlp | ]")
@@ -168,7 +168,7 @@ def _find_closing(spec: str, open_at: int) -> int:
 def format_io_spec(inputs: Iterable[str] = (), outputs: Iterable[str] = ()) -> str:
     """Write names back as a spec string (the inverse of :func:`parse_io_spec`).
 
-    Example:
+    Examples:
         >>> format_io_spec(["a"], ["b", "c"])
         'inputs[a]|outputs[b|c]'
     """
@@ -205,7 +205,7 @@ def canonical_name(name: str) -> str:
     checkpointing ``_checkpoint_wrapped_module``; the plain name the user wrote for the
     layer is what is left.
 
-    Example:
+    Examples:
         >>> canonical_name("model._orig_mod.layers.0")
         'model.layers.0'
         >>> canonical_name("_fsdp_wrapped_module.layers.3._checkpoint_wrapped_module.mlp")
@@ -227,7 +227,7 @@ def resolve_names(items: Iterable[str], available: Sequence[str]) -> list[str]:
     must be in ``available``; a glob must match at least one name. Otherwise
     :class:`UnknownModuleError` says what is close and how to list valid names.
 
-    Example:
+    Examples:
         >>> names = ["", "h", "h.0", "h.0.mlp", "h.1", "h.1.mlp", "ln_f"]
         >>> resolve_names(["h.*"], names)
         ['h.0', 'h.1']
@@ -257,7 +257,7 @@ def unknown_name_message(name: str, available: Sequence[str]) -> str:
     ``layers.1``: it is another layer); only the words may differ. When no name with the
     same numbers is close, the message says which indices the container has instead.
 
-    Example:
+    Examples:
         >>> names = ["model", "model.layers", "model.layers.0", "model.layers.1"]
         >>> unknown_name_message("model.layer.1", names).split(" list")[0]
         "unknown module name 'model.layer.1'; did you mean 'model.layers.1'?"

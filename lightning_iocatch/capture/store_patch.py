@@ -13,7 +13,9 @@ position)`` as :meth:`FeatureStore.rows_at <lightning_iocatch.store.reader.Featu
 does (this package imports no store): a sample the store does not hold is refused there,
 naming it, never patched with zeros.
 
-Example (a plain loop; ``IOCaptureCallback(edits=[StorePatch(...)])`` does it per batch):
+In a plain loop (``IOCaptureCallback(edits=[StorePatch(...)])`` does it per batch):
+
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_iocatch.capture import ModelIOCatcher
@@ -223,7 +225,7 @@ def refuse_left_padding(edits: Sequence[Edit], batch: Any) -> None:
     whose ``attention_mask`` starts a sequence with padding): a store's token positions
     count from each sequence's first real token, so they would not be its columns.
 
-    Example:
+    Examples:
         >>> refuse_left_padding([], {"attention_mask": torch.tensor([[0, 1]])})  # no patch
     """
     if not any(isinstance(edit, StorePatch) and edit._tokens for edit in edits):

@@ -19,7 +19,7 @@ hooks, at the same place (a module, its inputs or outputs, a call): a session's 
 the value the forward continues with, and its captures read that value, through the
 batch's transform.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_iocatch.capture import ModelIOCatcher

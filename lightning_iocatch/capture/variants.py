@@ -43,7 +43,7 @@ Other sessions open on the model (or a module of it) are set aside while the for
 neither capture these forwards nor edit them. The forwards run under ``torch.no_grad()``
 outside inference mode, so that changes in place are seen (version counters).
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_iocatch.capture import ModelIOCatcher, Zero

@@ -87,7 +87,7 @@ class IOCaptureCallback(Callback):
     entry per call (the reference buffer layout), and
     ``callback.batch_indices[stage][dataloader_idx]`` the dataset indices of each batch.
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl, torch
         >>> from torch import nn
         >>> from torch.utils.data import DataLoader, TensorDataset

@@ -51,9 +51,10 @@ class StoreDataModule(pl.LightningDataModule):
         multiprocessing_context: how workers start (``"fork"``, ``"spawn"``,
             ``"forkserver"``; default: the platform's), as a ``DataLoader``'s. Every start
             method reads each row once: the rank is resolved in the main process.
-        shuffle, seed, shuffle_rows, drop_last, with_indices, dtype, incomplete,
-            on_duplicate, dataloader_idx, storage_options: as
-            :class:`~lightning_iocatch.store.training.StoreRows`'s.
+
+    The other arguments (``shuffle``, ``seed``, ``shuffle_rows``, ``drop_last``,
+    ``with_indices``, ``dtype``, ``incomplete``, ``on_duplicate``, ``dataloader_idx``,
+    ``storage_options``) are :class:`~lightning_iocatch.store.training.StoreRows`'s.
 
     The store is opened (and every argument checked) here; at ``setup`` every rank checks
     that it sees the same rows of the store as rank 0, and all raise the same error if not.
@@ -61,7 +62,7 @@ class StoreDataModule(pl.LightningDataModule):
     resumed from a checkpoint taken mid-epoch reads the rest of that epoch (see the module
     docstring).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> from lightning_iocatch.store.writer import ShardWriter

@@ -25,7 +25,7 @@ The forwards run apart from other sessions open on the model (an ``IOCaptureCall
 they neither capture nor edit them. Edits that need the batch's dataset indices (a
 :class:`~lightning_iocatch.capture.store_patch.StorePatch`) get them.
 
-Example:
+Examples:
     >>> from lightning_iocatch.capture import Zero
     >>> effects = InterventionEffects({"zero": [Zero("model.transformer.h.6")]})
     >>> sorted(effects.names())
@@ -339,7 +339,7 @@ def in_sample_order(rows: torch.Tensor) -> torch.Tensor:
     """Samples' rows ``[dataloader, rank, index, ...]`` sorted by those three, each sample
     of known index (rank -1) once; rows of unknown index (rank >= 0) are all kept.
 
-    Example:
+    Examples:
         >>> rows = torch.tensor([[0, -1, 5, 1.0], [0, 1, 0, 2.0], [0, -1, 2, 3.0],
         ...                      [0, -1, 5, 1.0], [0, 0, 0, 4.0], [0, 0, 0, 5.0]])
         >>> in_sample_order(rows)[:, 1:].tolist()

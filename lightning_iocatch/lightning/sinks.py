@@ -54,7 +54,7 @@ class BatchCaptures:
 class CaptureSink:
     """Base class of everything that consumes captures; every method is optional.
 
-    Example:
+    Examples:
         >>> class CountingSink(CaptureSink):
         ...     def __init__(self) -> None:
         ...         self.batches = 0

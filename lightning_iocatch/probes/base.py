@@ -12,6 +12,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 POOLS = ("mean", "last", "flatten")
+"""How a probe makes one vector per sample of a ``[batch, seq, ...]`` tensor."""
 
 
 def usable(value: Any, samples: int | None) -> bool:
@@ -20,7 +21,7 @@ def usable(value: Any, samples: int | None) -> bool:
     ``samples`` is the batch's number of samples; ``None`` (unknown) accepts every
     floating tensor with at least one dimension.
 
-    Example:
+    Examples:
         >>> usable(torch.zeros(4, 7), 4), usable(torch.zeros(1, 7), 4), usable(torch.ones(4).bool(), 4)
         (True, False, False)
     """  # noqa: E501
@@ -38,7 +39,7 @@ def pool_features(features: Tensor, pool: str) -> Tensor:
     ``"mean"`` averages over every dimension between the first and the last, ``"last"``
     takes the last position of dim 1, ``"flatten"`` keeps everything.
 
-    Example:
+    Examples:
         >>> pool_features(torch.ones(2, 5, 3), "mean").shape, pool_features(torch.ones(2, 5, 3), "flatten").shape
         (torch.Size([2, 3]), torch.Size([2, 15]))
     """  # noqa: E501

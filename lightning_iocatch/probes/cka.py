@@ -35,7 +35,7 @@ class LayerCKA(_ProbeMetric):
     never paired with another tensor. Each batch takes the usable tensors of the mapping
     (see :func:`usable`) without the rows flagged in ``repeated``.
 
-    Example:
+    Examples:
         >>> cka = LayerCKA()
         >>> x = torch.randn(50, 4)
         >>> cka.update({"a": x, "b": 3 * x @ torch.linalg.qr(torch.randn(4, 4))[0]})

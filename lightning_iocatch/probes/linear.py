@@ -77,7 +77,7 @@ class LinearProbe(_ProbeMetric):
     flagged in ``repeated``. The pooled width must stay the same: a tensor whose width
     changes between batches (or processes) reports NaN, with a warning.
 
-    Example:
+    Examples:
         >>> _ = torch.manual_seed(0)
         >>> probe = LinearProbe(lambda batch: batch, num_classes=2, holdout=0.5)
         >>> x = torch.randn(200, 3)

@@ -34,7 +34,7 @@ class ActivationStats(_ProbeMetric):
     Takes floating tensors with a batch dimension (see :func:`usable`), without the
     rows flagged in ``repeated``; anything else is ignored.
 
-    Example:
+    Examples:
         >>> stats = ActivationStats()
         >>> stats.update(torch.tensor([[0.0, 1.0], [0.0, 3.0]]))
         >>> {k: round(float(v), 3) for k, v in stats.compute().items()}

@@ -21,7 +21,7 @@ the same number of non-empty batches (DDP needs it): rows left over after the fu
 shared out one more step, every rank one or more rows; where fewer are left than ranks, the
 step before gives up one row of some ranks. ``drop_last`` reads the full steps only.
 
-Example:
+Examples:
     >>> sequence = EpochSequence([3, 2, 4], seed=0, epoch=0, shuffle=False, shuffle_rows=4)
     >>> sequence.locate(2, 6)  # rows 2..5 of S: block, row within the block
     (array([0, 1, 1, 2]), array([2, 0, 1, 0]))

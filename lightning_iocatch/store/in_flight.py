@@ -1,6 +1,6 @@
 """Shards written several at a time: the writer thread hands each to a bounded pool.
 
-Example:
+Examples:
     >>> done = []
     >>> shards = ShardsInFlight(2, "example")
     >>> for n in range(3):

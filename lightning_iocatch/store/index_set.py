@@ -10,7 +10,7 @@ step 1. Membership, adding a batch, the union as ranges of step 1 (:meth:`ranges
 members of a progression already present (:meth:`overlap`) all work on intervals. Intervals
 are closed (``first, last``), so that ``2**63 - 1`` itself needs no bound past it.
 
-Example:
+Examples:
     >>> seen = IndexSet()
     >>> seen.add(range(0, 8, 2)); seen.add(range(1, 8, 2)); seen.add([20, 21, 22])
     >>> seen.ranges().tolist(), len(seen)

@@ -52,7 +52,7 @@ class IndexSummary:
     ``first, first + step, ..., last`` (``step >= 1``; ``1`` for one sample), else ``0``;
     ``crc32``: the CRC-32 of the tensor's bytes (int64, little-endian).
 
-    Example:
+    Examples:
         >>> IndexSummary.of(torch.tensor([4, 4, 6, 8, 8]))
         IndexSummary(first=4, last=8, low=4, high=8, samples=3, step=2, crc32=...)
     """

@@ -28,7 +28,9 @@ batch of one sample is. A sequence-first layout ``(seq, batch, ...)`` is not rec
 The selection's own index tensors are moved here (once per batch, a few bytes per
 token); captured values are copied by :mod:`lightning_iocatch.capture.snapshots` as ever.
 
-Example (a plain loop; :class:`~lightning_iocatch.FeatureWriter` does this for you):
+In a plain loop (:class:`~lightning_iocatch.FeatureWriter` does this for you):
+
+Examples:
     >>> from torch import nn
     >>> from lightning_iocatch.capture import ModelIOCatcher
     >>> embed = nn.Embedding(10, 2)

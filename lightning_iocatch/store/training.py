@@ -39,7 +39,7 @@ each epoch (:meth:`StoreRows.set_epoch`, as with a ``DistributedSampler``):
 Not protected against: a store changed while it is read, or seen differently by the
 processes of one run (StoreDataModule checks that every rank sees the same blocks).
 
-Example:
+Examples:
     >>> import tempfile
     >>> from pathlib import Path
     >>> from torch.utils.data import DataLoader

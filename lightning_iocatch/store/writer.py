@@ -114,7 +114,7 @@ class ShardWriter:
     The thread starts with the first batch. Call :meth:`close` at the end (it writes what
     is queued and raises the thread's error, if any) or :meth:`abort` to stop at once.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> from lightning_iocatch.store.plan import prepare_store

@@ -157,3 +157,16 @@ def tiny_llama(**config: Any) -> Any:
     )
     options.update(config)
     return LlamaForCausalLM(LlamaConfig(**options)).eval()
+
+
+class SAE(nn.Module):
+    """A sparse autoencoder of ``width`` inputs and 64 latents with seeded random weights:
+    ``decoder(relu(encoder(h)))``, for splicing into a model."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.encoder, self.decoder = nn.Linear(width, 64), nn.Linear(64, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(torch.relu(self.encoder(h)))

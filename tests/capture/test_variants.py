@@ -17,6 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from lightning_iocatch.capture import ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit, PatchWithin, Replace, Steer, Zero
 from lightning_iocatch.capture.variants import Variants
+from tests.lightning_models import SAE
 
 WIDTH = 32
 
@@ -40,16 +41,6 @@ def batch() -> dict[str, torch.Tensor]:
     mask = torch.ones(3, 10, dtype=torch.long)
     mask[1, 7:] = 0  # padded on the right
     return {"input_ids": ids, "attention_mask": mask}
-
-
-class SAE(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(2)
-        self.encoder, self.decoder = nn.Linear(WIDTH, 64), nn.Linear(64, WIDTH)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.decoder(torch.relu(self.encoder(h)))
 
 
 def first(value: Any, new: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -77,7 +68,7 @@ def by_hand(model: nn.Module, hooks: list[tuple[nn.Module, str, Callable]], run:
 def test_each_variant_equals_hand_written_hooks_on_causal_lms(build: Callable, share: bool):
     model, blocks = build()
     inputs = batch()
-    sae = SAE()
+    sae = SAE(WIDTH)
     vector = torch.randn(WIDTH)
     block = dict(model.named_modules())
     variants: dict[str, list[Edit]] = {

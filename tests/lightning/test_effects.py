@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,8 +28,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_iocatch.capture import Replace, Steer, Zero
 from lightning_iocatch.lightning.effects import InterventionEffects
+from tests.conftest import run_script
+from tests.lightning_models import SAE
 
-ROOT = Path(__file__).resolve().parents[2]
 WIDTH, VOCAB = 32, 64
 
 
@@ -58,16 +56,6 @@ class LM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-class SAE(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(2)
-        self.encoder, self.decoder = nn.Linear(WIDTH, 64), nn.Linear(64, WIDTH)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.decoder(torch.relu(self.encoder(h)))
-
-
 def samples(n: int) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(5)
     data = []
@@ -88,7 +76,7 @@ STEER = torch.linspace(-1, 1, WIDTH)
 
 def variants() -> dict[str, list[Any]]:
     return {
-        "splice": [Replace("model.transformer.h.2", SAE())],
+        "splice": [Replace("model.transformer.h.2", SAE(WIDTH))],
         "zero": [Zero("model.transformer.h.2")],
         "steer": [Steer("model.transformer.h.1", STEER, alpha=4.0, kind="inputs")],
     }
@@ -122,7 +110,7 @@ def truth(n: int = 11, batch_size: int = 2, bf16: bool = False) -> dict[str, flo
     """The hand computation: hooks written here, NumPy float64 for the losses."""
     lm = LM().eval()
     blocks = lm.model.transformer.h
-    sae = SAE()
+    sae = SAE(WIDTH)
     hooks: dict[str, list[tuple[nn.Module, str, Callable]]] = {
         "clean": [],
         "splice": [(blocks[2], "outputs", lambda h: sae(h).to(h.dtype))],
@@ -261,25 +249,10 @@ def test_a_loss_the_user_defines_and_bad_arguments():
         InterventionEffects({"clean": [Zero("x")]})
 
 
-def run_two_processes(out: Path, timeout: float) -> list[dict[str, Any]]:
-    process = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), str(out)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"2-process DDP run hung for {timeout} s:\n{output[-3000:]}")
-    assert process.returncode == 0, output[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-
-
 @pytest.mark.slow
 def test_two_processes_log_the_one_process_values_with_uneven_data(tmp_path: Path):
-    ranks = run_two_processes(tmp_path, timeout=240)
+    run_script(__file__, str(tmp_path), timeout=240)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     single, _ = validate(devices=1)
     assert ranks[1]["seen"] == [1, 3, 5, 7, 9, 0]  # sample 0 again: the sampler's padding
     assert ranks[0]["seen"] == [0, 2, 4, 6, 8, 10]

@@ -8,7 +8,6 @@ down, whichever comes first.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -24,7 +23,6 @@ from typing_extensions import override
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit
-from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.capture.store_patch import refuse_left_padding
 from lightning_iocatch.checks import (
     check_bool,
@@ -33,17 +31,21 @@ from lightning_iocatch.checks import (
     parse_device,
     parse_dtype,
 )
-from lightning_iocatch.errors import SpecError
 from lightning_iocatch.lightning.batch_indices import BatchIndexer
+from lightning_iocatch.lightning.callback_arguments import (
+    checked_sinks,
+    checked_spec,
+    checked_stages,
+    described_edits,
+)
 from lightning_iocatch.lightning.feature_writer import FeatureWriter, bind_writers, writers_tokens
 from lightning_iocatch.lightning.predict_route import (
     PredictMember,
     join_predict_route,
     leave_predict_route,
 )
-from lightning_iocatch.lightning.probe_sink import ProbeSink
 from lightning_iocatch.lightning.process_group_exit import destroy_gloo_group_at_exit
-from lightning_iocatch.lightning.sinks import STAGES, BatchCaptures, CaptureSink, MemorySink
+from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.store.tokens import TokenSelection
 
 __all__ = ["IOCaptureCallback"]
@@ -126,58 +128,10 @@ class IOCaptureCallback(Callback):
         pinned_memory_bytes: int = 256 << 20,
         edits: Sequence[Edit] = (),
     ) -> None:
-        if not isinstance(spec, str):
-            raise TypeError(
-                f"`spec` must be a spec string such as 'outputs[model.layers.0]', got "
-                f"{type(spec).__name__}"
-            )
-        self.spec = CaptureSpec.parse(spec)
-        if self.spec.is_empty:
-            raise SpecError(
-                f"`spec` {spec!r} selects no module; write e.g. 'outputs[model.layers.0]'"
-            )
-        if isinstance(stages, str):
-            stages = (stages,)
-        if not isinstance(stages, (list, tuple)):
-            raise TypeError(f"`stages` must be a list of stage names, got {type(stages).__name__}")
+        self.spec = checked_spec(spec)
         early_exit = check_bool("early_exit", early_exit)
-        unknown = [stage for stage in stages if stage not in STAGES]
-        if unknown or not stages:
-            raise ValueError(
-                f"`stages` must be a non-empty subset of {STAGES}, got {tuple(stages)!r}"
-            )
-        if early_exit and "predict" not in stages:
-            raise ValueError(
-                "`early_exit=True` applies to the predict loop only (validation and test steps "
-                "need the model's output), but `stages` has no 'predict': add it, or drop "
-                "`early_exit`"
-            )
-        if writer is not None:
-            if not isinstance(writer, (FeatureWriter, str, os.PathLike)):
-                raise TypeError(
-                    "`writer` must be a FeatureWriter or a directory path, got "
-                    f"{type(writer).__name__}"
-                )
-            writer = writer if isinstance(writer, FeatureWriter) else FeatureWriter(writer)
-            if "predict" not in stages:
-                raise ValueError(
-                    "`writer` dumps the predict loop, but `stages` has no 'predict': add it"
-                )
-            sinks = [writer, *sinks]
-        for argument, value in (("probes", probes), ("sinks", sinks), ("edits", edits)):
-            if not isinstance(value, (list, tuple)):
-                raise TypeError(f"`{argument}` must be a list, got {type(value).__name__}")
-        self.probes = ProbeSink(probes) if probes else None
-        if self.probes is not None:
-            if not {"validate", "test"} & set(stages):
-                raise ValueError("`probes` run in validation or test, but `stages` has neither")
-            sinks = [*sinks, self.probes]
-        for sink in sinks:
-            if not isinstance(sink, CaptureSink):
-                raise TypeError(
-                    f"`sinks` must hold CaptureSink instances, got {type(sink).__name__}"
-                )
-        self.stages = tuple(dict.fromkeys(stages))
+        self.stages = checked_stages(stages, early_exit)
+        sinks, self.probes = checked_sinks(writer, probes, sinks, edits, self.stages)
         self.device = parse_device("device", device)
         self.dtype = parse_dtype("dtype", dtype)
         self.early_exit = early_exit
@@ -195,17 +149,9 @@ class IOCaptureCallback(Callback):
         self._skip_step = False
         self._indexer: BatchIndexer | None = None
         self._looked_up: _LookedUp | None = None
-        if not all(isinstance(edit, Edit) for edit in edits):
-            raise TypeError("`edits` takes Edit objects (Zero, Steer, ...)")
+        described = described_edits(edits)
         self.edits = list(edits)
         self._token_rows = writers_tokens(sinks)
-        described = [edit.describe() for edit in self.edits] or None
-        try:  # a store records them as JSON
-            json.dumps(described, allow_nan=False)
-        except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"`edits` must describe themselves as JSON for a store to record them: {error}"
-            ) from error
         bind_writers(
             self, self.spec.to_string(), sinks, described
         )  # last: a refused callback binds none

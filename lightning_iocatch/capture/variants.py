@@ -171,9 +171,10 @@ class Variants:
     def _why_not_shared(self) -> str | None:
         training = [name for name, m in self.catcher.model.named_modules() if m.training]
         if training:
+            which = f"module {training[0]!r}" if training[0] else "the model"
             return (
-                f"module {training[0] or 'the model'!r} is in training mode (it may draw "
-                "random numbers): every variant runs its whole forward; call model.eval()"
+                f"{which} is in training mode (it may draw random numbers): every variant "
+                "runs its whole forward; call model.eval()"
             )
         if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in self._all()):
             return "the model has torch.compile'd parts: every variant runs its whole forward"

@@ -1,7 +1,7 @@
 """The dataset index of every sample of a batch, where Lightning knows or can rebuild it.
 
 This is the one module that reads Lightning's private internals (the loops' combined
-loaders, ``_IndexBatchSamplerWrapper.seen_batch_indices``); ``tests/test_indices.py``
+loaders, ``_IndexBatchSamplerWrapper.seen_batch_indices``); ``tests/lightning/test_indices.py``
 fails loudly when a Lightning release moves them. Lightning's public route to the
 indices, ``trainer.predict_loop.current_batch_indices``, is filled only for callbacks
 that are ``BasePredictionWriter``s, and validation and test have none.

@@ -105,3 +105,15 @@ def bucket(server: S3Server) -> str:
     name = f"iocatch-{uuid.uuid4().hex[:12]}"
     server.make_bucket(name)
     return name
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    """A fresh store URL on ``memory://``, its prefix removed afterwards."""
+    import fsspec
+
+    prefix = f"iocatch-tests/{uuid.uuid4().hex}"
+    yield f"memory://{prefix}/run"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(prefix):
+        fs.rm(prefix, recursive=True)

@@ -14,8 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
@@ -59,15 +57,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     callback = IOCaptureCallback("outputs[model.layers.1]", writer=writer)
     trainer([callback]).predict(TinyModule(), loader(30, 4), return_predictions=False)
     return path
-
-
-@pytest.fixture
-def url() -> Iterator[str]:
-    prefix = f"iocatch-tests/{uuid.uuid4().hex}"
-    yield f"memory://{prefix}/run"
-    fs = fsspec.filesystem("memory")
-    if fs.exists(prefix):
-        fs.rm(prefix, recursive=True)
 
 
 def dump(path: str, mode: Mode = "create", progress: bool | None = None) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +57,6 @@ def object_location(url: str, options: dict[str, Any] | None = None) -> ObjectLo
     backend = open_backend(url, options)
     assert isinstance(backend, ObjectBackend)
     return backend.location
-
-
-@pytest.fixture
-def url() -> Iterator[str]:
-    """A fresh prefix on ``memory://``, removed afterwards (with its neighbours' test)."""
-    prefix = f"iocatch-tests/{uuid.uuid4().hex}"
-    yield f"memory://{prefix}/run"
-    fs = fsspec.filesystem("memory")
-    if fs.exists(prefix):
-        fs.rm(prefix, recursive=True)
 
 
 def batches(n: int = N, width: int = 6) -> list[tuple[list[int], dict[str, torch.Tensor]]]:

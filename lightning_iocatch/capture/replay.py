@@ -42,6 +42,7 @@ class Call:
     children: list[Call] = field(default_factory=list)
     counted_inside: bool = False  # a module edited at one call (`call=`) ran inside it
     opaque: str | None = None  # the type of an argument compared by type only
+    never: bool = False  # it raised, returned nothing, or returned an inference tensor
 
 
 class Recorder:
@@ -109,7 +110,7 @@ class Recorder:
             if output is None or any(v is None for _, v in _versions(output)):
                 # it raised, or returned nothing, or an inference tensor (made under an
                 # inference mode of its own), whose changes in place cannot be seen
-                call.end = math.inf
+                call.never = True
             inside = any(call.start < at <= now for at in self.edit_at.values())
             if not inside and not call.counted_inside:
                 call.children = []  # replayed whole wherever it is replayed
@@ -127,10 +128,11 @@ class Recorder:
         pending = list(self.top)
         while pending:
             call = pending.pop(0)
-            if call.end <= edit_at and unchanged(call.versions) and not call.counted_inside:
+            whole = call.end <= edit_at and not call.never and not call.counted_inside
+            if whole and unchanged(call.versions):
                 found.append(call)
                 continue
-            if call.end <= edit_at:
+            if whole:
                 fell_back(
                     f"the inputs or output of a call of {type(call.module).__name__} before "
                     "the edit point were modified in place later in the clean forward: "

@@ -409,3 +409,30 @@ def test_a_global_forward_hook_makes_every_variant_run_whole():
     finally:
         handle.remove()
     assert torch.equal(outputs["z"], truth)
+
+
+class Counting(InPlaceUnderInference):
+    """The head gets a side input that changes every forward, so it runs for real."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(4, 4)  # never called
+        self.forwards = 0
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        h = self.a(x)
+        h += self.b(h)
+        return self.head(h + self.forwards)
+
+
+def test_an_edit_that_never_applies_replays_nothing_it_cannot_check():
+    net = Counting().eval()
+    x = torch.randn(3, 4)
+    runner = Variants(ModelIOCatcher(net, "cpu"), {"z": [Zero("spare")]})
+    with pytest.warns(UserWarning, match="never applied"):
+        outputs = runner(lambda: net(x))
+    net.forwards = 1  # the truth of the variant's forward, the second
+    truth = by_hand(net, [], lambda: net(x))  # a's output was changed in place: run again
+    assert torch.equal(outputs["z"], truth)

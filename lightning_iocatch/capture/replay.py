@@ -10,7 +10,6 @@ version counters: nothing was modified in place since).
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,8 @@ import torch
 from torch import nn
 
 from lightning_iocatch.capture.edits import Edit
+from lightning_iocatch.capture.keys import flatten_value
+from lightning_iocatch.capture.snapshots import map_tensors
 
 __all__ = ["Call", "Recorder", "Replaying", "same", "unchanged"]
 
@@ -106,8 +107,9 @@ class Recorder:
         now = self._tick()
         if call is not None:
             call.end, call.output = now, _copied(output)
-            call.versions += _versions(output)
-            if output is None or any(v is None for _, v in _versions(output)):
+            returned = _versions(output)
+            call.versions += returned
+            if output is None or any(v is None for _, v in returned):
                 # it raised, or returned nothing, or an inference tensor (made under an
                 # inference mode of its own), whose changes in place cannot be seen
                 call.never = True
@@ -200,28 +202,13 @@ class Replaying:
 
 
 def _copied(value: Any) -> Any:
-    """``value``'s containers (tuples, lists, dicts, model outputs) copied, down to the
-    tensors and other objects, which are the same."""
-    if isinstance(value, list):
-        return [_copied(item) for item in value]
-    if isinstance(value, tuple):
-        items = [_copied(item) for item in value]
-        if type(value) is tuple:
-            return tuple(items)
-        if hasattr(value, "_fields"):  # a namedtuple
-            return type(value)(*items)
-        try:  # torch.return_types, torch.Size: built from one sequence
-            return type(value)(items)
-        except TypeError:
-            return value
-    if type(value) is dict:
-        return {key: _copied(item) for key, item in value.items()}
-    if isinstance(value, dict):  # a dict subclass, such as Hugging Face's ModelOutput
-        copied = copy.copy(value)
-        for key, item in value.items():
-            copied[key] = _copied(item)
-        return copied
-    return value
+    """``value``'s containers copied (:func:`~lightning_iocatch.capture.snapshots.map_tensors`
+    with the tensors themselves): what code after a call appends to is a copy."""
+    return map_tensors(value, _itself)
+
+
+def _itself(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _opaque(value: Any) -> str | None:
@@ -236,24 +223,13 @@ def _opaque(value: Any) -> str | None:
 
 
 def _versions(value: Any) -> list[tuple[torch.Tensor, int | None]]:
-    found: list[tuple[torch.Tensor, int | None]] = []
-    _walk(value, lambda t: found.append((t, None if t.is_inference() else t._version)))
-    return found
+    """Each tensor inside ``value`` with its version counter (``None``: an inference tensor,
+    which has none)."""
+    return [(t, None if t.is_inference() else t._version) for _, t in flatten_value(value, "")]
 
 
 def unchanged(versions: list[tuple[torch.Tensor, int | None]]) -> bool:
     return all(v is None or t._version == v for t, v in versions)
-
-
-def _walk(value: Any, visit: Callable[[torch.Tensor], None]) -> None:
-    if isinstance(value, torch.Tensor):
-        visit(value)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _walk(item, visit)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _walk(item, visit)
 
 
 def same(a: Any, b: Any) -> bool:

@@ -269,6 +269,7 @@ def stopped_and_resumed(out: Path, source: Any) -> tuple[list[int], list[int], l
     return first.seen, resumed.seen, [str(warning.message) for warning in caught]
 
 
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
 def test_a_resume_mid_epoch_is_not_warned_about_but_a_plain_loaders_still_is(
     tmp_path: Path,
 ) -> None:

@@ -5,7 +5,10 @@ The Lightning face of :class:`~lightning_iocatch.store.training.StoreRows`. Ligh
 DataLoader here sets the dataset's epoch to ``trainer.current_epoch`` each time an epoch
 starts iterating it (the epoch reaches running workers too, so ``persistent_workers=True``
 works). Lightning does not give an ``IterableDataset`` a ``DistributedSampler``: each rank
-reads its own share, by ``torch.distributed``'s rank.
+reads the share of its data-parallel place, which ``setup`` takes from the strategy as
+Lightning's samplers do (``trainer.distributed_sampler_kwargs``): under
+``ModelParallelStrategy`` the ranks of one tensor-parallel group read the same rows, and
+the saved position counts steps of the data-parallel world.
 
 **Resuming mid-epoch.** Lightning saves ``state_dict()`` in every checkpoint: where the
 current epoch stands after the batches the fit loop has processed
@@ -140,6 +143,16 @@ class StoreDataModule(pl.LightningDataModule):
         if self.trainer is not None:
             destroy_gloo_group_at_exit()  # see process_group_exit
             self._agree(self.trainer.strategy)
+            self._place(self.trainer)
+
+    def _place(self, trainer: pl.Trainer) -> None:
+        """Read as the data-parallel rank Lightning's samplers get; a strategy that is not
+        parallel gives none, and then ``torch.distributed`` decides (see StoreRows)."""
+        layout = trainer.distributed_sampler_kwargs
+        if layout is None:
+            self.dataset.set_ranks(None, None)
+        else:
+            self.dataset.set_ranks(int(layout["rank"]), int(layout["num_replicas"]))
 
     def _agree(self, strategy: pl.strategies.Strategy) -> None:
         """Every rank must read the same blocks, or the shares would overlap or leave rows."""

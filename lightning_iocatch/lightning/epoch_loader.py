@@ -20,7 +20,9 @@ epoch-interval schedulers and last accumulated step depend on reaching it). So a
 - when the resumed epoch has another number of batches than a whole epoch (the global batch
   changed), has Lightning reload the train loader once, at the next epoch
   (``trainer.reload_dataloaders_every_n_epochs`` is 1 for that epoch, then the user's
-  again), so that every later epoch has its own length.
+  again), so that every later epoch has its own length;
+- has ``state_dict``/``load_state_dict`` (empty: the position is the data module's), so that
+  Lightning takes it for resumable and does not warn on a correct mid-epoch resume.
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ class EpochLoader(DataLoader):
         data = self.rows
         data.set_epoch(self._next_epoch())
         return data.batches_done + len(data)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing of its own: the position in an epoch is the data module's state, which
+        Lightning restores before it sizes this loader (a loader's own state comes after).
+        Lightning takes a train loader with ``state_dict``/``load_state_dict`` for resumable,
+        and warns on a mid-epoch resume of any other ("not resumable ... unreliable")."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore (see :meth:`state_dict`): a resume without the data module's
+        state is refused as the first batch starts."""
 
     def __iter__(self) -> _Deferred:  # type: ignore[override]
         """The DataLoader's iterator, started at the first batch (see the module docstring)."""

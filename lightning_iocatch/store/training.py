@@ -11,17 +11,19 @@ each epoch (:meth:`StoreRows.set_epoch`, as with a ``DistributedSampler``):
   within about ``shuffle_rows`` rows of each other (commit order without ``shuffle``). The
   sequence depends on ``(seed, epoch)``, the rows read and ``shuffle_rows``, and not on the
   number of processes, workers or the batch size. A run reads it in global steps of
-  ``world_size x batch_size`` rows, the ranks in rank order: after ``k`` rows consumed,
-  whatever the run, the rows consumed are the first ``k`` of the sequence.
+  ``world_size x batch_size`` rows (the data-parallel world), the ranks in rank order:
+  after ``k`` rows consumed, whatever the run, the rows consumed are the first ``k``.
 - **Exactly once.** Every rank yields the same number of batches (DDP needs the same number
   of steps on every rank), all of ``batch_size`` rows but the last one or two, and an epoch
   reads every row once. Fewer rows than ranks, or ``batch_size=1`` with rows left over that
   cannot go one to each rank, is refused; ``drop_last=True`` reads the full steps only. A
   rank's batch ``i`` is made by its worker ``i % num_workers``, and the DataLoader collects
-  batches from its workers in turn. Rank and world size come from
-  ``rank=``/``world_size=``, or from ``torch.distributed`` once initialised (Lightning
-  does it), resolved in the main process: a worker started by ``spawn`` or ``forkserver``
-  gets them with the dataset. A process that is one of several (``WORLD_SIZE`` > 1)
+  batches from its workers in turn. Rank and world size are the data-parallel ones: from
+  ``rank=``/``world_size=`` (or :meth:`StoreRows.set_ranks`; ``StoreDataModule`` passes
+  the strategy's, as Lightning's samplers take them, so the ranks of one tensor-parallel
+  group read the same rows), else from ``torch.distributed`` once initialised, resolved in
+  the main process: a worker started by ``spawn`` or ``forkserver`` gets them with the
+  dataset. A process that is one of several (``WORLD_SIZE`` > 1)
   without a process group is refused, never read as rank 0 of 1.
 - **Resuming mid-epoch.** :meth:`StoreRows.state_dict` gives the position after a number of
   batches of the current epoch (the rows consumed: a prefix of the sequence), and
@@ -125,9 +127,10 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
             ``"skip"`` reads only the samples that have them all.
         on_duplicate: as :class:`~lightning_iocatch.FeatureStore`'s.
         dataloader_idx: which predict dataloader's captures to read.
-        rank: this process's data-parallel rank, with ``world_size``; default: from
-            ``torch.distributed`` when initialised (carried to DataLoader workers whatever
-            their start method), else 0 of 1 where ``WORLD_SIZE`` says one process.
+        rank: this process's data-parallel rank, with ``world_size`` (see :meth:`set_ranks`);
+            default: from ``torch.distributed`` when initialised (carried to DataLoader
+            workers whatever their start method), else 0 of 1 where ``WORLD_SIZE`` says one
+            process.
         world_size: the number of data-parallel processes.
         storage_options: fsspec options for a URL ``path`` (credentials, endpoint, ...).
     """
@@ -161,13 +164,8 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         self.dtype = parse_dtype("dtype", dtype)
         if incomplete not in _INCOMPLETE:
             raise ValueError(f"`incomplete` must be one of {_INCOMPLETE}, got {incomplete!r}")
-        self._ranks = None
-        if rank is not None and world_size is not None:
-            if check_int("rank", rank, minimum=0) >= check_int("world_size", world_size, minimum=1):
-                raise ValueError(f"`rank` must be below `world_size` {world_size}, got {rank}")
-            self._ranks = (rank, world_size)
-        elif rank is not None or world_size is not None:
-            raise ValueError("pass both `rank` and `world_size`, or neither")
+        self._ranks: tuple[int, int] | None = None
+        self.set_ranks(rank, world_size)
         if with_indices and INDEX in self.keys:
             raise ValueError(f"key {INDEX!r} would clash with `with_indices`'s entry {INDEX!r}")
         store = FeatureStore(
@@ -212,6 +210,20 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         if self.with_indices:
             columns[INDEX] = Column((), torch.int64, torch.int64)
         return columns
+
+    def set_ranks(self, rank: int | None, world_size: int | None) -> None:
+        """Read as data-parallel rank ``rank`` of ``world_size`` from the next iteration on (a
+        ``DistributedSampler``'s ``rank`` and ``num_replicas``: processes that hold parts of one
+        model replica share a rank), or with ``None, None`` as the process group says.
+        ``StoreDataModule`` sets the layout of the Trainer's strategy."""
+        if rank is None and world_size is None:
+            self._ranks = None
+        elif rank is None or world_size is None:
+            raise ValueError("pass both `rank` and `world_size`, or neither")
+        elif check_int("rank", rank, minimum=0) >= check_int("world_size", world_size, minimum=1):
+            raise ValueError(f"`rank` must be below `world_size` {world_size}, got {rank}")
+        else:
+            self._ranks = (rank, world_size)
 
     # The epoch, and where it starts
 

@@ -14,12 +14,17 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_iocatch.store.training as training
 from lightning_iocatch import StoreDataModule, StoreError
@@ -229,6 +234,71 @@ def test_the_loader_tells_lightning_the_resumed_epoch_and_refuses_what_would_los
     assert data.dataset.resumed_epoch is None and data.dataset.batches_done == 0
 
 
+# Lightning's warning on a mid-epoch resume: not for this loader, still for a plain one
+
+
+class Rows(pl.LightningModule):
+    """Keeps the dataset index of each row it trains on (a store's batch or a plain one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+        self.seen: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[KEY] if isinstance(batch, dict) else batch[0]
+        self.seen += x[:, 0].long().tolist()  # each row's value is its index
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def stopped_and_resumed(out: Path, source: Any) -> tuple[list[int], list[int], list[str]]:
+    """Fit on ``source()`` stopped after 3 of 6 batches (its checkpoint then), and fit again
+    from that checkpoint: each run's rows, and the resumed run's warnings."""
+    options: dict[str, Any] = dict(accelerator="cpu", devices=1, logger=False)
+    options.update(enable_progress_bar=False, enable_model_summary=False)
+    every = ModelCheckpoint(dirpath=out, filename="{step}", every_n_train_steps=3, save_top_k=-1)
+    first, resumed = Rows(), Rows()
+    pl.Trainer(max_steps=3, callbacks=[every], **options).fit(first, **source())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = pl.Trainer(max_epochs=1, enable_checkpointing=False, **options)
+        run.fit(resumed, ckpt_path=out / "step=3.ckpt", **source())
+    return first.seen, resumed.seen, [str(warning.message) for warning in caught]
+
+
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+def test_a_resume_mid_epoch_is_not_warned_about_but_a_plain_loaders_still_is(
+    tmp_path: Path,
+) -> None:
+    """Before, Lightning warned on the correct resume of StoreDataModule that the loader "is not
+    resumable ... unreliable results"; a plain DataLoader, which does start the epoch again,
+    must keep the warning."""
+    path = tmp_path / "store"
+    writer = ShardWriter(path, rank=0, plan=prepare_store(path, "create", SETTINGS))
+    writer.write({KEY: torch.arange(60.0)[:, None]}, indices=list(range(60)))
+    writer.close()
+    sequence = StoreRows(path, KEY, batch_size=60, with_indices=True, **ORDER)
+    expected = next(iter(sequence))[INDEX].tolist()
+
+    def store() -> dict[str, Any]:
+        return {"datamodule": StoreDataModule(path, KEY, batch_size=10, **ORDER)}
+
+    before, after, warned = stopped_and_resumed(tmp_path / "store-ckpt", store)
+    assert before + after == expected  # the rest of the epoch, each row once
+    assert not [message for message in warned if "not resumable" in message], warned
+
+    def plain() -> dict[str, Any]:
+        rows = TensorDataset(torch.arange(60.0)[:, None])
+        return {"train_dataloaders": DataLoader(rows, batch_size=10)}
+
+    before, after, warned = stopped_and_resumed(tmp_path / "plain-ckpt", plain)
+    assert before == after == list(range(30))  # read again from the start; 30.. never
+    assert [message for message in warned if "not resumable" in message]
+
+
 # Trainer.fit killed mid-epoch and resumed from its checkpoint
 
 
@@ -250,6 +320,7 @@ def fit(store: Path, out: Path, *options: str) -> int:
         start_new_session=True,
     )
     assert result.returncode in (0, -signal.SIGKILL), result.stderr[-4000:]
+    assert "not resumable" not in result.stderr  # Lightning's warning: not on a correct resume
     return result.returncode
 
 

@@ -84,6 +84,8 @@ def describe_function(fn: Callable[..., Any]) -> dict[str, Any]:
         walk.value(fn)
     except _Undecidable as error:
         return {"function": name, "undecidable": str(error)}
+    except RecursionError:
+        return {"function": name, "undecidable": "too deeply nested to describe"}
     return {"function": name, "blake2b": walk.digest()}
 
 

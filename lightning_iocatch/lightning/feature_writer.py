@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +21,8 @@ import torch
 from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import CaptureError, StoreError
-from lightning_iocatch.fingerprint import undecidable_functions
 from lightning_iocatch.lightning.batch_indices import missing_indices_reason
+from lightning_iocatch.lightning.function_records import adopt_fingerprints, refuse_undecidable
 from lightning_iocatch.lightning.sinks import STAGES, BatchCaptures, CaptureSink
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.plan import MODES, Mode, StorePlan, prepare_store
@@ -278,8 +277,9 @@ class FeatureWriter(CaptureSink):
             # in setup, before Lightning's own bar starts: a bar where the Trainer shows one
             progress = None if trainer.progress_bar_callback is not None else False
             try:
+                adopt_fingerprints(self.backend, self.mode, settings)
                 outcome = prepare_store(self.backend, self.mode, settings, progress=progress)
-                _refuse_undecidable(self.backend, settings, outcome)
+                refuse_undecidable(self.backend, settings, outcome)
             except Exception as error:  # raised below, on every rank
                 local, outcome = error, str(error) or type(error).__name__
         outcome = trainer.strategy.broadcast(outcome, src=0)
@@ -335,39 +335,6 @@ class FeatureWriter(CaptureSink):
         finally:
             self._rows_before += core.rows_written
             self._bytes_before += core.bytes_written
-
-
-def _refuse_undecidable(backend: object, settings: Mapping[str, Any], plan: StorePlan) -> None:
-    """Refuse to add rows to a store whose rows were captured under a function that cannot
-    be compared with this run's (see :mod:`lightning_iocatch.fingerprint`); a dump that
-    starts empty only warns that it cannot be resumed."""
-    found = [
-        f"{name}: {function}"
-        for name in ("edits", "tokens")
-        for function in undecidable_functions(settings.get(name))
-    ]
-    if not found:
-        return
-    listed = "; ".join(found)
-    fix = (
-        "give each such function (or callable object) a `__fingerprint__` string that "
-        'changes when what it computes does (`fn.__fingerprint__ = "my-sae-v2"`): it is '
-        "recorded instead"
-    )
-    if not any(plan.committed.values()):
-        warnings.warn(
-            f"this dump to {backend} cannot be resumed: what these functions compute cannot "
-            f"be read from them, so a resume could not tell it is the same ({listed}); {fix}",
-            UserWarning,
-            stacklevel=3,
-        )
-        return
-    raise StoreError(
-        f"cannot resume {backend}: its rows were captured under functions whose behaviour "
-        f"cannot be read from them ({listed}), so this run's could differ and the store "
-        f"would mix rows of two different computations. For this store, use "
-        f"mode='overwrite' (or another path); for dumps to come, {fix}"
-    )
 
 
 def bind_writers(

@@ -196,9 +196,14 @@ def test_a_function_that_cannot_be_read_warns_on_a_fresh_dump_and_refuses_a_resu
     with pytest.warns(UserWarning, match=r"cannot be resumed: .*Opaque object"):
         module = interrupted(path, [Replace("model.layers.0", Opaque(2.0))])
     with pytest.raises(
-        StoreError, match=r"cannot resume .*edits: .*Opaque .*mode='overwrite'.*__fingerprint__"
+        StoreError, match=r"cannot resume .*edits: .*Opaque .*__fingerprint__.*mode='overwrite'"
     ):
         resume(module, path, [Replace("model.layers.0", Opaque(3.0))])
+    same = Opaque(2.0)  # the user's word that it is the same: taken, and recorded
+    same.__fingerprint__ = "double"  # type: ignore[attr-defined]
+    resume(module, path, [Replace("model.layers.0", same)])
+    assert torch.equal(FeatureStore(path)[KEY], scaled_truth(module, 2.0))
+    assert FeatureStore(path).metadata["edits"][0]["function"]["fingerprint"] == "double"
     named = Opaque(2.0)
     named.__fingerprint__ = "double"  # type: ignore[attr-defined]
     module = interrupted(tmp_path / "named", [Replace("model.layers.0", named)])

@@ -9,6 +9,7 @@ everything the function's result can depend on, read without calling it:
   the globals it reads (a function it calls is described the same way, recursively);
 - ``functools.partial``: its function and arguments; a bound method: its function and
   the object it is bound to;
+- a dataclass instance (a config) or a ``SimpleNamespace``: its class and fields;
 - values: tensors and NumPy arrays by shape, dtype and bytes; numbers, strings and other
   plain values by their repr; containers by their items; an ``nn.Module`` by its class
   (and its code, for a class of your own), its weights and buffers, and its plain
@@ -44,6 +45,7 @@ Examples:
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import dis
 import enum
 import functools
@@ -165,6 +167,16 @@ class _Walk:
                 self.value(item)
         elif isinstance(value, (set, frozenset)):
             self.put("set", *sorted(_digest_of(item) for item in value))
+        elif _config(value):
+            self.put("object", _name(type(value)))  # a config: its fields
+            fields = (
+                [f.name for f in dataclasses.fields(value)]
+                if not isinstance(value, types.SimpleNamespace)
+                else sorted(vars(value))
+            )
+            for field in fields:
+                self.put(field)
+                self.value(getattr(value, field))
         elif isinstance(value, types.ModuleType):
             self.put("module", value.__name__, _version(value.__name__))
         elif isinstance(value, type):
@@ -321,6 +333,12 @@ def _digest_of(value: Any) -> str:
     walk = _Walk()
     walk.value(value)
     return walk.digest()
+
+
+def _config(value: Any) -> bool:
+    """A dataclass instance (not the class) or a ``SimpleNamespace``."""
+    dataclass = dataclasses.is_dataclass(value) and not isinstance(value, type)
+    return dataclass or isinstance(value, types.SimpleNamespace)
 
 
 def _all_plain(value: Any) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any
@@ -11,6 +12,15 @@ import pytest
 import torch
 
 from lightning_iocatch.fingerprint import describe_function, undecidable_functions
+from tests.scripts import described_edits
+
+
+@dataclasses.dataclass
+class Config:
+    """A config a function reads: its fields describe it."""
+
+    k: int
+
 
 LOG = logging.getLogger("tests.fingerprint")
 TABLE = np.arange(3.0)
@@ -68,6 +78,15 @@ def test_globals_arrays_recursion_and_libraries() -> None:
     assert "blake2b" in describe_function(countdown)  # a cycle ends
     relu = describe_function(torch.nn.functional.relu)  # a library's: by name and version
     assert relu["function"] == "torch.nn.functional.relu" and "blake2b" in relu
+    scaled = describe_function(lambda h: h * described_edits.SCALE)  # a module of our own
+    saved, described_edits.SCALE = described_edits.SCALE, torch.zeros(4)
+    try:
+        assert describe_function(lambda h: h * described_edits.SCALE) != scaled
+    finally:
+        described_edits.SCALE = saved
+    two, three = Config(2), Config(3)
+    assert describe_function(lambda h: h * two.k) == describe_function(lambda h: h * two.k)
+    assert describe_function(lambda h: h * two.k) != describe_function(lambda h: h * three.k)
     tensor = torch.ones(2)
     assert describe_function(tensor.add) != describe_function(torch.zeros(2).add)
 

@@ -43,13 +43,13 @@ Examples:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from lightning_iocatch.capture.transform import Kind
+from lightning_iocatch.fingerprint import describe_function, describe_tensor
 
 __all__ = [
     "Edit",
@@ -115,35 +115,18 @@ class Edit:
     def describe(self) -> dict[str, Any]:
         """What this edit is, as JSON (a store records the edits its rows were captured
         under): its kind and place, each tensor by shape, dtype and a digest of its bytes,
-        each module (or a module's method) by its name and a digest of its weights, any
-        other function by its qualified name only. Attributes named ``_...`` (state that
-        changes as the edit runs) are not part of it."""
+        each function or module by what it computes
+        (:func:`~lightning_iocatch.fingerprint.describe_function`: code, closure values,
+        arguments, weights; or its own ``__fingerprint__``). Attributes named ``_...``
+        (state that changes as the edit runs) are not part of it."""
         described: dict[str, Any] = {"edit": type(self).__name__}
         for name, value in vars(self).items():
             if name.startswith("_"):
                 continue
             if isinstance(value, torch.Tensor):
-                data = value.detach().cpu().contiguous()
-                raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
-                value = {
-                    "shape": list(data.shape),
-                    "dtype": str(data.dtype).removeprefix("torch."),
-                    "blake2b": hashlib.blake2b(raw, digest_size=16).hexdigest(),
-                }
-            elif isinstance(getattr(value, "__self__", value), torch.nn.Module):
-                module = getattr(value, "__self__", value)  # a module, or its bound method
-                weights = b"".join(
-                    t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                    for t in module.state_dict().values()
-                )
-                named = getattr(value, "__qualname__", type(value).__qualname__)
-                value = {
-                    "function": f"{type(module).__module__}.{named}",
-                    "weights_blake2b": hashlib.blake2b(weights, digest_size=16).hexdigest(),
-                }
-            elif callable(value):
-                named = getattr(value, "__qualname__", type(value).__qualname__)
-                value = f"{getattr(value, '__module__', type(value).__module__)}.{named}"
+                value = describe_tensor(value)
+            elif callable(value) or isinstance(value, torch.nn.Module):
+                value = describe_function(value)
             described[name] = value
         return described
 
@@ -155,6 +138,21 @@ class Edit:
             return edited
         mask = mask.reshape(*mask.shape, *([1] * (value.dim() - mask.dim())))
         return torch.where(mask, edited, value)
+
+    def _fitting(self, name: str, given: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``given`` if it broadcasts to ``value``'s shape (and leaves it unchanged)."""
+        shape = tuple(value.shape)
+        try:
+            fits = torch.broadcast_shapes(given.shape, value.shape) == value.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"{self!r}: its `{name}` of shape {tuple(given.shape)} does not fit "
+                f"{self.module!r}'s {self.kind} of shape {shape}: give a `{name}` of shape "
+                f"{shape[-1:]} (the value's last dimension), or one that broadcasts to {shape}"
+            )
+        return given
 
     def _mask(self, value: torch.Tensor) -> torch.Tensor | None:
         """``positions`` on ``value``'s device, once it fits its leading dimensions."""
@@ -185,7 +183,7 @@ class Mean(Edit):
         self.mean = mean
 
     def edit(self, value: torch.Tensor) -> torch.Tensor:
-        mean = self.mean
+        mean = self._fitting("mean", self.mean, value)
         return mean.to(device=value.device, dtype=value.dtype).expand_as(value).clone()
 
 
@@ -261,7 +259,7 @@ class Steer(Edit):
 
     def edit(self, value: torch.Tensor) -> torch.Tensor:
         wide = torch.promote_types(value.dtype, torch.float32)
-        vector = self.vector.to(device=value.device, dtype=wide)
+        vector = self._fitting("vector", self.vector, value).to(device=value.device, dtype=wide)
         return (value.to(wide) + self.alpha * vector).to(value.dtype)
 
 

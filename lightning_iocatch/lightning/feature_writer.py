@@ -22,6 +22,7 @@ from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import CaptureError, StoreError
 from lightning_iocatch.lightning.batch_indices import missing_indices_reason
+from lightning_iocatch.lightning.function_records import adopt_fingerprints, refuse_undecidable
 from lightning_iocatch.lightning.sinks import STAGES, BatchCaptures, CaptureSink
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.plan import MODES, Mode, StorePlan, prepare_store
@@ -276,7 +277,9 @@ class FeatureWriter(CaptureSink):
             # in setup, before Lightning's own bar starts: a bar where the Trainer shows one
             progress = None if trainer.progress_bar_callback is not None else False
             try:
+                adopt_fingerprints(self.backend, self.mode, settings)
                 outcome = prepare_store(self.backend, self.mode, settings, progress=progress)
+                refuse_undecidable(self.backend, settings, outcome)
             except Exception as error:  # raised below, on every rank
                 local, outcome = error, str(error) or type(error).__name__
         outcome = trainer.strategy.broadcast(outcome, src=0)

@@ -48,15 +48,14 @@ Examples:
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import operator
-import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
+from lightning_iocatch.fingerprint import describe_function
 
 __all__ = ["REDUCTIONS", "Reduce", "TokenRows", "TokenSelection"]
 
@@ -64,33 +63,11 @@ Reduce = Literal["mean", "first", "last"]
 REDUCTIONS = ("mean", "first", "last")
 
 
-def _function_name(fn: Callable[..., Any] | None, default: str) -> str:
-    """How a store records a selection function (a resume must give the same): its name;
-    a lambda also by a digest of its own code; a ``functools.partial`` by its function
-    and arguments; a callable object by its type."""
-    if fn is None:
-        return default
-    if isinstance(fn, functools.partial):
-        return f"partial({_function_name(fn.func, '')}, *{fn.args!r}, **{fn.keywords!r})"
-    if not hasattr(fn, "__qualname__"):
-        fn = type(fn)
-    name = f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
-    code = getattr(fn, "__code__", None)
-    if "<lambda>" in name and code is not None:  # every lambda has that name
-        return f"{name} {_code_digest(code)}"
-    return name
-
-
-def _code_digest(code: types.CodeType) -> str:
-    """What a function does, not where it is written (line numbers and file left out)."""
-    parts = [code.co_code, repr(code.co_names).encode(), repr(code.co_varnames).encode()]
-    for constant in code.co_consts:
-        parts.append(
-            _code_digest(constant).encode()
-            if isinstance(constant, types.CodeType)
-            else repr(constant).encode()
-        )
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+def _function_name(fn: Callable[..., Any] | None, default: str) -> str | dict[str, Any]:
+    """How a store records a selection function (a resume must give the same): ``default``
+    for none given, else by what it computes (its code, closure values, a partial's
+    arguments...: :func:`~lightning_iocatch.fingerprint.describe_function`)."""
+    return default if fn is None else describe_function(fn)
 
 
 @dataclass(frozen=True)

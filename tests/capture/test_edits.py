@@ -8,6 +8,7 @@ decoder layers, a tuple output, keyword inputs, a conv net, and under bf16 autoc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2Model, LlamaConfig, LlamaModel
 
-from lightning_iocatch.capture import ModelIOCatcher
+from lightning_iocatch.capture import ModelIOCatcher, Variants
 from lightning_iocatch.capture.edits import Mean, Patch, PatchWithin, Replace, Steer, Zero
 from lightning_iocatch.errors import CaptureError
 
@@ -301,7 +302,40 @@ def test_unapplied_edits_warn_and_modules_are_described_by_their_weights() -> No
         == other["function"]["function"]
         == "torch.nn.modules.linear.Linear"
     )
-    assert one["function"]["weights_blake2b"] != other["function"]["weights_blake2b"]
+    assert one["function"]["blake2b"] != other["function"]["blake2b"]
+    second.load_state_dict(first.state_dict())  # the same weights: the same description
+    assert Replace("0", second).describe() == one
     method = Replace("0", first.forward).describe()["function"]  # a module's method: its weights
     assert method["function"].endswith("Linear.forward")
-    assert method["weights_blake2b"] == one["function"]["weights_blake2b"]
+    assert method == Replace("0", second.forward).describe()["function"]
+    with torch.no_grad():
+        second.bias.add_(1.0)
+    assert method != Replace("0", second.forward).describe()["function"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "given"),
+    [
+        (Steer("1", torch.ones(5)), "vector"),
+        (Mean("1", torch.ones(5)), "mean"),
+        (Steer("1", torch.ones(3, 1, 4)), "vector"),  # broadcasts, but to a larger value
+        (Mean("1", torch.ones(2, 4)), "mean"),
+    ],
+)
+def test_a_mean_or_vector_of_the_wrong_shape_names_the_edit_and_both_shapes(
+    edit: Any, given: str
+) -> None:
+    """Before: a raw broadcasting RuntimeError ("The size of tensor a (4) must match the
+    size of tensor b (5)"), or for [3, 1, 4] a silently larger [3, 3, 4] output."""
+    net = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 1)).eval()
+    shape = tuple(edit.__dict__[given].shape)
+    expected = (
+        rf"{type(edit).__name__}\('1', kind='outputs', call=None\): its `{given}` of shape "
+        rf"{re.escape(str(shape))} does not fit '1''s outputs of shape \(3, 4\): give a "
+        rf"`{given}` of shape \(4,\)"
+    )
+    with pytest.raises(ValueError, match=expected), ModelIOCatcher(net, "cpu")(edits=[edit]):
+        net(torch.randn(3, 2))
+    variants = Variants(ModelIOCatcher(net, "cpu"), {"fine": [Zero("1")], "wrong": [edit]})
+    with pytest.raises(ValueError, match=expected):
+        variants(lambda: net(torch.randn(3, 2)))

@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning_iocatch
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ["capture", "store", "probes", "plots", "errors", "checks", "suggest"]
+CORE = ["capture", "store", "probes", "plots", "errors", "checks", "suggest", "fingerprint"]
 ON_TOP = ["lightning", "cli", "__main__"]
 
 

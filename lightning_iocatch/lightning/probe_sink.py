@@ -183,6 +183,17 @@ class ProbeSink(CaptureSink):
             close_figure(figure)
 
 
+def _attention_mask(batch: Any) -> torch.Tensor | None:
+    """The default rule, with the fix in its error."""
+    try:
+        return real_tokens(batch, who=f"{_OPTION}='attention_mask'")
+    except ValueError as error:
+        raise ValueError(
+            f"{error}; pass `probe_tokens=` a function of the batch giving its (batch, seq) "
+            "mask of real tokens, or 'all' to count every position"
+        ) from None
+
+
 def _token_rule(tokens: Any) -> Callable[[Any], torch.Tensor | None]:
     """``tokens`` (see :class:`ProbeSink`) as a function of the batch: its bool mask of
     real tokens, ``None`` for every position."""
@@ -191,7 +202,7 @@ def _token_rule(tokens: Any) -> Callable[[Any], torch.Tensor | None]:
     if isinstance(tokens, str) and tokens == "all":
         return lambda batch: None
     if isinstance(tokens, str) and tokens == "attention_mask":
-        return lambda batch: real_tokens(batch, who=_OPTION)
+        return _attention_mask
     if callable(tokens):
         return lambda batch: checked_mask(tokens(batch), "`probe_tokens(batch)`", _OPTION)
     raise TypeError(

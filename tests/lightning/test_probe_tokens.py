@@ -236,6 +236,10 @@ def test_bad_probe_tokens_are_refused() -> None:
         IOCaptureCallback(SPEC, probes=[ActivationStats()], probe_tokens="real")
     with pytest.raises(ValueError, match=r"`probe_tokens`: .* shape \(1, 10\) for a batch of 3"):
         validate("right", [ActivationStats()], probe_tokens=lambda b: b["attention_mask"][:1])
+    sink = IOCaptureCallback(SPEC, probes=[ActivationStats()]).probes
+    assert sink is not None
+    with pytest.raises(ValueError, match=r"must be bool or integer, got torch.float32; pass"):
+        sink._real_tokens({"attention_mask": torch.ones(2, 3)})
 
 
 @pytest.mark.slow

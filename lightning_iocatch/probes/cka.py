@@ -79,7 +79,8 @@ class LayerCKA(_ProbeMetric):
         if samples is None:
             samples = _most_common_rows(features)
         real = _checked_tokens(tokens, samples)
-        counted = [not r for r in repeated] if repeated is not None else None
+        flagged = repeated is not None and len(repeated) == samples
+        counted = [not r for r in repeated] if flagged and repeated is not None else None
         if real is not None:
             some = real.any(1).tolist()
             counted = [a and b for a, b in zip(counted or some, some, strict=True)]

@@ -17,7 +17,17 @@ from pathlib import Path
 import lightning_iocatch
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = ["capture", "store", "probes", "plots", "errors", "checks", "suggest", "fingerprint"]
+CORE = [
+    "capture",
+    "store",
+    "probes",
+    "plots",
+    "errors",
+    "checks",
+    "suggest",
+    "fingerprint",
+    "token_mask",
+]
 ON_TOP = ["lightning", "cli", "__main__"]
 
 

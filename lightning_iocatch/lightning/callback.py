@@ -44,6 +44,7 @@ from lightning_iocatch.lightning.predict_route import (
     join_predict_route,
     leave_predict_route,
 )
+from lightning_iocatch.lightning.probe_sink import ProbeTokens
 from lightning_iocatch.lightning.process_group_exit import destroy_gloo_group_at_exit
 from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink, MemorySink
 from lightning_iocatch.store.tokens import TokenSelection
@@ -72,6 +73,12 @@ class IOCaptureCallback(Callback):
             dumps the predict loop's captures to disk.
         probes: validation/test probes from :mod:`lightning_iocatch.probes`, logged at the
             end of each epoch as ``iocatch/{module}/{inputs|outputs}[/{path}]/{stat}``.
+        probe_tokens: which tokens of a sequence batch the probes count: by default
+            (``"attention_mask"``) those where the batch's ``attention_mask`` is non-zero,
+            where the batch is a mapping holding one; ``"all"`` every position; a
+            :class:`~lightning_iocatch.TokenRows` the tokens it keeps; or a function of
+            the batch giving a ``(batch, seq)`` mask (see
+            :class:`~lightning_iocatch.lightning.probe_sink.ProbeSink`).
         sinks: further consumers of each batch's captures (see :class:`CaptureSink`).
         keep_in_memory: keep the latest run of each stage in :attr:`captures`; by
             default only when there is no sink.
@@ -122,6 +129,7 @@ class IOCaptureCallback(Callback):
         early_exit: bool = False,
         writer: FeatureWriter | str | os.PathLike[str] | None = None,
         probes: Sequence[Metric] = (),
+        probe_tokens: ProbeTokens = "attention_mask",
         sinks: Sequence[CaptureSink] = (),
         keep_in_memory: bool | None = None,
         capture_sanity_check: bool = False,
@@ -131,7 +139,7 @@ class IOCaptureCallback(Callback):
         self.spec = checked_spec(spec)
         early_exit = check_bool("early_exit", early_exit)
         self.stages = checked_stages(stages, early_exit)
-        sinks, self.probes = checked_sinks(writer, probes, sinks, edits, self.stages)
+        sinks, self.probes = checked_sinks(writer, probes, sinks, edits, self.stages, probe_tokens)
         self.device = parse_device("device", device)
         self.dtype = parse_dtype("dtype", dtype)
         self.early_exit = early_exit

@@ -20,7 +20,7 @@ from lightning_iocatch.capture.edits import Edit
 from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.errors import SpecError
 from lightning_iocatch.lightning.feature_writer import FeatureWriter
-from lightning_iocatch.lightning.probe_sink import ProbeSink
+from lightning_iocatch.lightning.probe_sink import ProbeSink, ProbeTokens
 from lightning_iocatch.lightning.sinks import STAGES, CaptureSink
 
 __all__ = ["checked_sinks", "checked_spec", "checked_stages", "described_edits"]
@@ -63,6 +63,7 @@ def checked_sinks(
     sinks: Sequence[CaptureSink],
     edits: Sequence[Edit],
     stages: tuple[str, ...],
+    probe_tokens: ProbeTokens = "attention_mask",
 ) -> tuple[list[CaptureSink], ProbeSink | None]:
     """The callback's sinks: the writer's first, the given ones, the probes' last; and the
     probes' sink. Also checks that ``edits`` is a list of edits."""
@@ -80,7 +81,7 @@ def checked_sinks(
     for argument, value in (("probes", probes), ("sinks", sinks), ("edits", edits)):
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"`{argument}` must be a list, got {type(value).__name__}")
-    probe_sink = ProbeSink(probes) if probes else None
+    probe_sink = ProbeSink(probes, tokens=probe_tokens) if probes else None
     if probe_sink is not None:
         if not {"validate", "test"} & set(stages):
             raise ValueError("`probes` run in validation or test, but `stages` has neither")

@@ -6,8 +6,8 @@ The metrics themselves live in :mod:`lightning_iocatch.probes` (pure torchmetric
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torchmetrics import Metric
@@ -15,11 +15,18 @@ from torchmetrics import Metric
 from lightning_iocatch.capture.keys import flatten_captures, flatten_value
 from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink
 from lightning_iocatch.probes.base import _gather_objects, _most_common_rows, _samples, usable
+from lightning_iocatch.store.tokens import TokenRows
+from lightning_iocatch.token_mask import checked_mask, real_tokens
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["ProbeSink"]
+__all__ = ["ProbeSink", "ProbeTokens"]
+
+ProbeTokens = Literal["attention_mask", "all"] | TokenRows | Callable[[Any], torch.Tensor]
+"""Which tokens probes count: see :class:`ProbeSink`'s ``tokens``."""
+
+_OPTION = "`probe_tokens`"
 
 
 class ProbeSink(CaptureSink):
@@ -32,6 +39,16 @@ class ProbeSink(CaptureSink):
     Each batch, the probes get the captured tensors they can use (see
     :func:`lightning_iocatch.probes.usable`: floating, first dimension equal to the batch's
     number of samples) and the batch's padding flags; a batch of padding only is skipped.
+
+    ``tokens`` says which tokens of a sequence batch the probes count (the callback's
+    ``probe_tokens``): ``"attention_mask"`` (the default) the positions where the batch's
+    ``attention_mask`` is non-zero, where the batch is a mapping holding one (the rule of
+    :class:`~lightning_iocatch.TokenRows`), else every position; ``"all"`` every
+    position; a :class:`~lightning_iocatch.TokenRows` the tokens it keeps (``drop_first``,
+    ``drop_token_ids``, ``mask=``: the rows a dump stores); a function ``tokens(batch)``
+    giving a ``(batch, seq)`` mask. The mask is computed once per batch and applies to
+    every captured tensor whose first two dimensions are its shape; other tensors are
+    counted whole. A sample without a real token is left out of every probe.
     A key whose floating tensor lacked the batch dimension in any batch of any process
     is not probed at all that epoch.
 
@@ -44,7 +61,7 @@ class ProbeSink(CaptureSink):
 
     STAGES = ("validate", "test")
 
-    def __init__(self, probes: Sequence[Metric]) -> None:
+    def __init__(self, probes: Sequence[Metric], tokens: ProbeTokens = "attention_mask") -> None:
         for probe in probes:
             if not isinstance(probe, Metric) or not hasattr(probe, "per_tensor"):
                 raise TypeError(
@@ -52,6 +69,8 @@ class ProbeSink(CaptureSink):
                     f"LinearProbe, LayerCKA), got {type(probe).__name__}"
                 )
         self.probes = list(probes)
+        self.tokens = tokens
+        self._real_tokens = _token_rule(tokens)
         self._metrics: dict[tuple[int, str, int], Metric] = {}
         self._unbatched: set[tuple[int, str]] = set()  # (dataloader_idx, key)
         self.last_values: dict[str, float] = {}
@@ -77,6 +96,7 @@ class ProbeSink(CaptureSink):
         if repeated is not None and all(repeated):
             return  # padding only: these samples are counted where they are not padding
         indices = batch.indices
+        tokens = self._tokens(batch.batch, samples)
         features: dict[str, torch.Tensor] = {}
         for key, tensor in flat.items():
             if usable(tensor, samples):
@@ -87,10 +107,27 @@ class ProbeSink(CaptureSink):
             if probe.per_tensor:
                 for key, tensor in features.items():
                     metric = self._metric((batch.dataloader_idx, key, position))
-                    metric.update(tensor, batch=batch.batch, indices=indices, repeated=repeated)
+                    metric.update(
+                        tensor, batch=batch.batch, indices=indices, repeated=repeated, tokens=tokens
+                    )
             else:
                 metric = self._metric((batch.dataloader_idx, "", position))
-                metric.update(features, batch=batch.batch, indices=indices, repeated=repeated)
+                metric.update(
+                    features, batch=batch.batch, indices=indices, repeated=repeated, tokens=tokens
+                )
+
+    def _tokens(self, batch: Any, samples: int | None) -> torch.Tensor | None:
+        """The batch's mask of real tokens on the probes' device, ``None`` for every token."""
+        mask = self._real_tokens(batch)
+        if mask is None:
+            return None
+        if samples is not None and mask.shape[0] != samples:
+            raise ValueError(
+                f"{_OPTION}: the batch's mask of real tokens has shape {tuple(mask.shape)} "
+                f"for a batch of {samples} samples; pass `probe_tokens=` a function of the "
+                "batch giving its (batch, seq) mask, or 'all' to count every position"
+            )
+        return mask.to(self._device)
 
     def on_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage not in self.STAGES:
@@ -144,6 +181,34 @@ class ProbeSink(CaptureSink):
             for board in boards:
                 board.experiment.add_figure(tag, figure, trainer.global_step, close=False)
             close_figure(figure)
+
+
+def _attention_mask(batch: Any) -> torch.Tensor | None:
+    """The default rule, with the fix in its error."""
+    try:
+        return real_tokens(batch, who=f"{_OPTION}='attention_mask'")
+    except ValueError as error:
+        raise ValueError(
+            f"{error}; pass `probe_tokens=` a function of the batch giving its (batch, seq) "
+            "mask of real tokens, or 'all' to count every position"
+        ) from None
+
+
+def _token_rule(tokens: Any) -> Callable[[Any], torch.Tensor | None]:
+    """``tokens`` (see :class:`ProbeSink`) as a function of the batch: its bool mask of
+    real tokens, ``None`` for every position."""
+    if isinstance(tokens, TokenRows):
+        return tokens.keep
+    if isinstance(tokens, str) and tokens == "all":
+        return lambda batch: None
+    if isinstance(tokens, str) and tokens == "attention_mask":
+        return _attention_mask
+    if callable(tokens):
+        return lambda batch: checked_mask(tokens(batch), "`probe_tokens(batch)`", _OPTION)
+    raise TypeError(
+        f"{_OPTION} must be 'attention_mask', 'all', a TokenRows or a function of the batch "
+        f"giving its (batch, seq) mask of real tokens, got {tokens!r:.80}"
+    )
 
 
 def _distributed() -> bool:

@@ -7,10 +7,18 @@ and a cross-tensor probe (:class:`LayerCKA`) for every dataloader, feeds them ea
 validation (or test) batch, and computes, logs and resets them at the end of the epoch.
 This module never imports Lightning: the metrics can be used and tested on their own.
 
-A probe's ``update(features, batch=None, indices=None, repeated=None)`` takes a captured
-tensor (or, when ``per_tensor`` is False, a mapping of them by flat key), the batch as
-the step received it, the samples' dataset indices and, per sample, whether it is padding
-that repeats a sample seen elsewhere; ``compute()`` returns a dict of named scalars.
+A probe's ``update(features, batch=None, indices=None, repeated=None, tokens=None)``
+takes a captured tensor (or, when ``per_tensor`` is False, a mapping of them by flat key),
+the batch as the step received it, the samples' dataset indices, per sample whether it is
+padding that repeats a sample seen elsewhere, and the batch's bool ``(batch, seq)`` mask
+of real tokens (``ProbeSink`` passes the batch's ``attention_mask`` by default; see its
+``tokens``); ``compute()`` returns a dict of named scalars.
+
+Real tokens: a tensor whose first two dimensions are the mask's ``(batch, seq)`` counts
+only the real tokens' values (:class:`ActivationStats`), and is pooled over them
+(:func:`pool_features`: ``"mean"`` over each sample's real tokens, ``"last"`` its last
+real token under right or left padding); other tensors are counted whole. A sample
+without a real token is left out of every tensor, as a ``repeated`` one is.
 
 What probes consume (:func:`usable`): floating-point tensors with a batch dimension, that
 is whose first dimension equals the batch's number of samples (``len(indices)``, else

@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_iocatch.token_mask import masks
+
 POOLS = ("mean", "last", "flatten")
 """How a probe makes one vector per sample of a ``[batch, seq, ...]`` tensor."""
 
@@ -33,16 +35,28 @@ def usable(value: Any, samples: int | None) -> bool:
     )
 
 
-def pool_features(features: Tensor, pool: str) -> Tensor:
+def pool_features(features: Tensor, pool: str, tokens: Tensor | None = None) -> Tensor:
     """One row per sample: ``(B, ...)`` to ``(B, D)``; sequences are pooled over dim 1.
 
     ``"mean"`` averages over every dimension between the first and the last, ``"last"``
-    takes the last position of dim 1, ``"flatten"`` keeps everything.
+    takes the last position of dim 1, ``"flatten"`` keeps everything. With a bool
+    ``(B, seq)`` mask of real tokens ``tokens`` that applies (the first two dimensions of
+    ``features`` are its shape), ``"mean"`` averages over each sample's real tokens only,
+    ``"last"`` takes each sample's last real token (right or left padding alike) and
+    ``"flatten"`` zeroes the padding positions; a sample without a real token gets NaN
+    (probes leave such samples out before pooling).
 
     Examples:
         >>> pool_features(torch.ones(2, 5, 3), "mean").shape, pool_features(torch.ones(2, 5, 3), "flatten").shape
         (torch.Size([2, 3]), torch.Size([2, 15]))
+        >>> x = torch.arange(6.0).reshape(2, 3, 1)
+        >>> real = torch.tensor([[True, True, False], [False, True, True]])
+        >>> pool_features(x, "mean", real).flatten().tolist(), pool_features(x, "last", real).flatten().tolist()
+        ([0.5, 4.5], [1.0, 5.0])
     """  # noqa: E501
+    if masks(features, tokens):
+        assert tokens is not None
+        return _pool_real(features, pool, tokens.to(features.device))
     if features.dim() == 1:
         return features.unsqueeze(1)
     if features.dim() == 2 or pool == "flatten":
@@ -50,6 +64,28 @@ def pool_features(features: Tensor, pool: str) -> Tensor:
     if pool == "mean":
         return features.mean(dim=tuple(range(1, features.dim() - 1)))
     return features[:, -1].reshape(features.shape[0], -1)
+
+
+def _pool_real(features: Tensor, pool: str, tokens: Tensor) -> Tensor:
+    """:func:`pool_features` of a ``(B, seq, ...)`` tensor over the real tokens only."""
+    samples, seq = tokens.shape
+    trailing = (1,) * (features.dim() - 2)
+    real = tokens.view(samples, seq, *trailing)
+    if pool == "flatten":
+        return torch.where(real, features, 0).reshape(samples, -1)
+    count = tokens.sum(1)
+    if pool == "mean":
+        inner = features
+        if features.dim() > 3:
+            inner = features.mean(dim=tuple(range(2, features.dim() - 1)))
+        inner = inner if inner.dim() > 2 else inner.unsqueeze(-1)
+        total = torch.where(tokens[:, :, None], inner, 0).sum(1)
+        return total / count[:, None].to(total.dtype)  # 0 / 0: NaN
+    order = torch.arange(seq, device=tokens.device)
+    last = torch.where(tokens, order, -1).argmax(1)  # the last real position
+    picked = features[torch.arange(samples, device=features.device), last]
+    picked = picked.reshape(samples, -1)
+    return torch.where((count == 0)[:, None], torch.nan, picked)
 
 
 def _check_pool(pool: str) -> None:
@@ -69,22 +105,57 @@ def _most_common_rows(features: Mapping[str, Tensor]) -> int | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def _kept(repeated: Sequence[bool] | None, samples: int, device: torch.device) -> Tensor | None:
-    """The mask of rows that are not padding; ``None`` when every row is kept."""
-    if repeated is None or not any(repeated):
+def _checked_tokens(tokens: Tensor | None, samples: int | None) -> Tensor | None:
+    """``tokens`` as a bool ``(samples, seq)`` mask, or a ``ValueError`` naming the shape."""
+    if tokens is None:
         return None
-    if len(repeated) != samples:
-        raise ValueError(f"`repeated` has {len(repeated)} flags for {samples} samples")
-    return ~torch.tensor(list(repeated), dtype=torch.bool, device=device)
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+        shown = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(f"`tokens` must be a (batch, seq) mask of real tokens, got {shown}")
+    if samples is not None and tokens.shape[0] != samples:
+        raise ValueError(
+            f"`tokens` has {tokens.shape[0]} rows for a batch of {samples} samples: pass the "
+            "batch's (batch, seq) mask of real tokens, e.g. batch['attention_mask']"
+        )
+    return tokens if tokens.dtype == torch.bool else tokens != 0
 
 
-def _rows(features: Any, indices: Any, repeated: Any) -> Tensor | None:
-    """The usable ``features`` without padding rows, detached; ``None`` when not usable."""
+def _kept(
+    repeated: Sequence[bool] | None,
+    samples: int,
+    device: torch.device,
+    tokens: Tensor | None = None,
+) -> Tensor | None:
+    """The mask of rows that count: not padding, and with a real token where ``tokens``
+    is given; ``None`` when every row is kept."""
+    keep = None
+    if repeated is not None and any(repeated):
+        if len(repeated) != samples:
+            raise ValueError(f"`repeated` has {len(repeated)} flags for {samples} samples")
+        keep = ~torch.tensor(list(repeated), dtype=torch.bool, device=device)
+    if tokens is not None and tokens.shape[0] == samples:
+        some = tokens.any(1).to(device)
+        if not bool(some.all()):
+            keep = some if keep is None else keep & some
+    return keep
+
+
+def _rows(
+    features: Any, indices: Any, repeated: Any, tokens: Tensor | None = None
+) -> tuple[Tensor, Tensor | None] | None:
+    """The usable ``features`` without the rows left out (padding, and samples without a
+    real token where ``tokens`` is given), detached, with the rows of ``tokens`` where it
+    applies to them (else ``None``); ``None`` when the features are not usable."""
     if not usable(features, _samples(indices, repeated)):
         return None
     values = features.detach()
-    keep = _kept(repeated, values.shape[0], values.device)
-    return values if keep is None else values[keep]
+    tokens = _checked_tokens(tokens, values.shape[0])
+    tokens = None if tokens is None else tokens.to(values.device)
+    keep = _kept(repeated, values.shape[0], values.device, tokens)
+    applied = tokens if masks(values, tokens) else None
+    if keep is None:
+        return values, applied
+    return values[keep], None if applied is None else applied[keep]
 
 
 def _gather_objects(value: Any, group: Any = None) -> list[Any]:

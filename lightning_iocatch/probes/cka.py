@@ -11,9 +11,10 @@ from torch import Tensor
 from lightning_iocatch.probes.base import (
     _cat,
     _check_pool,
-    _kept,
+    _checked_tokens,
     _most_common_rows,
     _ProbeMetric,
+    _rows,
     _samples,
     pool_features,
     usable,
@@ -33,7 +34,10 @@ class LayerCKA(_ProbeMetric):
     every process that had batches (a batch of padding only does not count), in sorted
     order: a key missing from a batch, or whose width changes, is dropped from then on,
     never paired with another tensor. Each batch takes the usable tensors of the mapping
-    (see :func:`usable`) without the rows flagged in ``repeated``.
+    (see :func:`usable`) without the rows flagged in ``repeated``. With ``tokens``, a bool
+    ``(batch, seq)`` mask of real tokens, a tensor whose first two dimensions are the
+    mask's is pooled over the real tokens only; a sample without a real token is left out
+    of every tensor, as a ``repeated`` one is, so every pair has the same samples.
 
     Examples:
         >>> cka = LayerCKA()
@@ -69,12 +73,19 @@ class LayerCKA(_ProbeMetric):
         batch: Any = None,
         indices: Sequence[int] | None = None,
         repeated: Sequence[bool] | None = None,
+        tokens: Tensor | None = None,
     ) -> None:
         samples = _samples(indices, repeated)
         if samples is None:
             samples = _most_common_rows(features)
-        if repeated is not None and len(repeated) == samples and all(repeated):
-            return  # padding only: not part of the data
+        real = _checked_tokens(tokens, samples)
+        flagged = repeated is not None and len(repeated) == samples
+        counted = [not r for r in repeated] if flagged and repeated is not None else None
+        if real is not None:
+            some = real.any(1).tolist()
+            counted = [a and b for a, b in zip(counted or some, some, strict=True)]
+        if counted is not None and not any(counted):
+            return  # padding only, or no real token: not part of the data
         wanted = sorted(features) if not self.seen else list(self.layout)
         pooled: dict[str, Tensor] = {}
         for key in wanted:
@@ -82,10 +93,10 @@ class LayerCKA(_ProbeMetric):
             if not usable(tensor, samples):
                 continue
             assert tensor is not None
-            values = tensor.detach()
-            keep = _kept(repeated, values.shape[0], values.device)
-            values = values if keep is None else values[keep]
-            pooled[key] = pool_features(values.to(torch.float64), self.pool)
+            found = _rows(tensor, indices, repeated, real)
+            assert found is not None
+            values, applied = found
+            pooled[key] = pool_features(values.to(torch.float64), self.pool, applied)
         widths = {key: rows.shape[1] for key, rows in pooled.items()}
         if not self.seen:
             self.seen = True

@@ -14,12 +14,14 @@ from torch import Tensor
 from lightning_iocatch.probes.base import (
     _cat,
     _check_pool,
+    _checked_tokens,
     _kept,
     _ProbeMetric,
     _samples,
     pool_features,
     usable,
 )
+from lightning_iocatch.token_mask import masks
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,8 +76,12 @@ class LinearProbe(_ProbeMetric):
         name: prefix of the reported value.
 
     Takes floating tensors with a batch dimension (see :func:`usable`), without the rows
-    flagged in ``repeated``. The pooled width must stay the same: a tensor whose width
-    changes between batches (or processes) reports NaN, with a warning.
+    flagged in ``repeated``. With ``tokens``, a bool ``(batch, seq)`` mask of real tokens,
+    a tensor whose first two dimensions are the mask's is pooled over the real tokens only
+    (``pool="last"``: each sample's last real token, under right or left padding); a
+    sample without a real token is left out, as a ``repeated`` one is. The pooled width
+    must stay the same: a tensor whose width changes between batches (or processes)
+    reports NaN, with a warning.
 
     Examples:
         >>> _ = torch.manual_seed(0)
@@ -161,10 +167,13 @@ class LinearProbe(_ProbeMetric):
         batch: Any = None,
         indices: Sequence[int] | None = None,
         repeated: Sequence[bool] | None = None,
+        tokens: Tensor | None = None,
     ) -> None:
         if not usable(features, _samples(indices, repeated)):
             return
         samples = features.shape[0]
+        real = _checked_tokens(tokens, samples)
+        real = None if real is None else real.to(features.device)
         labels = torch.as_tensor(self.target(batch))
         if labels.dim() == 0 or labels.shape[0] != samples:
             raise ValueError(f"`target(batch)` gave {tuple(labels.shape)} for {samples} samples")
@@ -178,14 +187,16 @@ class LinearProbe(_ProbeMetric):
             )
         values = features.detach().to(torch.float64)  # before pooling: float16 sums overflow
         labels = self._labels(labels.to(features.device))
-        keep = _kept(repeated, samples, features.device)
+        keep = _kept(repeated, samples, features.device, real)
+        real = real if masks(values, real) else None
         if keep is not None:
             values, labels = values[keep], labels[keep]
+            real = None if real is None else real[keep]
             if indices is not None:
                 indices = [i for i, kept in zip(indices, keep.tolist(), strict=True) if kept]
         if values.shape[0] == 0:
             return
-        rows = pool_features(values, self.pool)
+        rows = pool_features(values, self.pool, real)
         width = rows.shape[1] + 1
         outputs = self._targets(labels[:1]).shape[1]
         if self.gram.numel() == 0 and not self.conflicts:

@@ -32,7 +32,11 @@ class ActivationStats(_ProbeMetric):
     longer batches have is judged on those alone. A 1-dimensional tensor is one unit.
 
     Takes floating tensors with a batch dimension (see :func:`usable`), without the
-    rows flagged in ``repeated``; anything else is ignored.
+    rows flagged in ``repeated``; anything else is ignored. With ``tokens``, a bool
+    ``(batch, seq)`` mask of real tokens, a tensor whose first two dimensions are the
+    mask's counts the real tokens' values only (for a ``(batch, seq)`` tensor the units
+    are the positions, alive where a real token is non-zero); a sample without a real
+    token is left out of every tensor, as a ``repeated`` one is.
 
     Examples:
         >>> stats = ActivationStats()
@@ -62,17 +66,25 @@ class ActivationStats(_ProbeMetric):
         batch: Any = None,
         indices: Sequence[int] | None = None,
         repeated: Sequence[bool] | None = None,
+        tokens: Tensor | None = None,
     ) -> None:
-        values = _rows(features, indices, repeated)
-        if values is None or values.numel() == 0:
+        found = _rows(features, indices, repeated, tokens)
+        if found is None:
             return
-        flat = values.to(torch.float64, copy=True).reshape(-1)  # cast the values, not the sums
+        values, real = found
+        selected = values if real is None else values[real]  # (tokens, ...) when masked
+        if selected.numel() == 0:
+            return
+        flat = selected.to(torch.float64, copy=True).reshape(-1)  # cast values, not sums
         self.zeros = self.zeros + (flat.numel() - torch.count_nonzero(flat))
         mean = flat.mean()
         deviations = flat.sub_(mean)  # two passes over the float64 copy, in place
         row = torch.stack([mean.new_tensor(float(flat.numel())), mean, deviations @ deviations])
         self.moments = _chan(self.moments[0], row)[None]
-        units = values.reshape(-1, values.shape[-1] if values.dim() > 1 else 1)
+        if real is not None and values.dim() == 2:  # (batch, seq): the units are positions
+            units = torch.where(real, values, 0)
+        else:
+            units = selected.reshape(-1, selected.shape[-1] if selected.dim() > 1 else 1)
         low, high = units.amin(dim=0), units.amax(dim=0)  # exact in any dtype
         self.absmax = torch.maximum(self.absmax, torch.maximum(-low.min(), high.max()).double())
         self.alive = _padded_max(self.alive, ((low != 0) | (high != 0)).to(torch.float64))

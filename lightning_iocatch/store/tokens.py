@@ -49,13 +49,14 @@ Examples:
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from lightning_iocatch.fingerprint import describe_function
+from lightning_iocatch.token_mask import kept_tokens
 
 __all__ = ["REDUCTIONS", "Reduce", "TokenRows", "TokenSelection"]
 
@@ -143,94 +144,29 @@ class TokenRows:
             ValueError: the batch has no mask or token ids where they are needed, or they
                 are not ``(batch, seq)`` tensors of one shape.
         """
-        mask = self._mask(batch)
-        ids = self._token_ids(batch, needed=bool(self._drop))
-        if ids is not None and tuple(ids.shape) != tuple(mask.shape):
-            raise ValueError(
-                f"TokenRows: the token ids have shape {tuple(ids.shape)}, the mask "
-                f"{tuple(mask.shape)}; they must be the same (batch, seq)"
-            )
-        ids = None if ids is None else ids.to(mask.device)
-        start = self._first_real_token(batch, mask)
-        keep = mask.clone()
-        if self.drop_first and keep.shape[1]:
-            keep &= torch.arange(keep.shape[1], device=keep.device)[None] != start[:, None]
-        if ids is not None and self._drop:
-            keep &= ~torch.isin(ids, torch.tensor(self._drop, device=ids.device))
+        keep, ids, start = self._kept(batch)
         return TokenSelection(keep, ids, self.reduce, start)
 
-    def _first_real_token(self, batch: Any, mask: torch.Tensor) -> torch.Tensor:
-        """Per sample, the column of its first real token (where the padding mask is first
-        1); 0 without a padding mask, which ``drop_first`` refuses."""
-        zeros = torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
-        padding: Any
-        if self.padding is not None:
-            padding, where = self.padding(batch), "`padding(batch)`"
-        else:
-            padding = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-            where = "batch['attention_mask']"
-            if not isinstance(padding, torch.Tensor) or padding.shape != mask.shape:
-                padding = None
-        if padding is None:
-            if self.drop_first:
-                raise ValueError(
-                    "TokenRows(drop_first=True) drops each sequence's first real token, but "
-                    f"the batch is a {type(batch).__name__} without an 'attention_mask' that "
-                    "says where its sequences start: pass `padding=` a function of the batch "
-                    "giving 1 for real tokens and 0 for padding, e.g. "
-                    "TokenRows(..., padding=lambda batch: batch[1])"
-                )
-            return zeros
-        if not isinstance(padding, torch.Tensor) or padding.shape != mask.shape:
-            shown = tuple(padding.shape) if isinstance(padding, torch.Tensor) else padding
-            raise ValueError(
-                f"TokenRows: {where} must be a tensor of the mask's shape {tuple(mask.shape)}, "
-                f"got {shown!r:.80}"
-            )
-        if not mask.shape[1]:
-            return zeros
-        return (padding.to(mask.device) != 0).int().argmax(1)
+    def keep(self, batch: Any) -> torch.Tensor:
+        """The bool ``(batch, seq)`` mask of the tokens of ``batch`` this selection keeps
+        (what probes count with ``IOCaptureCallback(probe_tokens=TokenRows(...))``).
 
-    def _mask(self, batch: Any) -> torch.Tensor:
-        if self.mask is not None:
-            mask = self.mask(batch)
-            where = "`mask(batch)`"
-        elif isinstance(batch, Mapping) and "attention_mask" in batch:
-            mask, where = batch["attention_mask"], "batch['attention_mask']"
-        else:
-            raise ValueError(
-                "TokenRows selects tokens by the batch's 'attention_mask', but the batch is "
-                f"a {type(batch).__name__} without one; pass `mask=` a function of the batch, "
-                "e.g. TokenRows(mask=lambda batch: batch[1] == 1), or "
-                "mask=lambda batch: torch.ones_like(batch['input_ids'], dtype=torch.bool) "
-                "to keep every token"
-            )
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-            shown = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ValueError(f"TokenRows: {where} must be a (batch, seq) tensor, got {shown}")
-        if mask.dtype != torch.bool:
-            if mask.is_floating_point() or mask.is_complex():
-                raise ValueError(f"TokenRows: {where} must be bool or integer, got {mask.dtype}")
-            mask = mask != 0
-        return mask
+        Examples:
+            >>> batch = {"attention_mask": torch.tensor([[1, 1, 0]])}
+            >>> TokenRows(drop_first=True).keep(batch).tolist()
+            [[False, True, False]]
+        """
+        return self._kept(batch)[0]
 
-    def _token_ids(self, batch: Any, *, needed: bool) -> torch.Tensor | None:
-        if self.token_ids is not None:
-            ids = self.token_ids(batch)
-        elif isinstance(batch, Mapping) and "input_ids" in batch:
-            ids = batch["input_ids"]
-        elif needed:
-            raise ValueError(
-                "TokenRows(drop_token_ids=...) needs the token ids: the batch has no "
-                "'input_ids'; pass `token_ids=` a function of the batch"
-            )
-        else:
-            return None
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
-            raise ValueError(
-                f"TokenRows: the token ids must be a (batch, seq) integer tensor, got {ids!r:.80}"
-            )
-        return ids
+    def _kept(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        return kept_tokens(
+            batch,
+            mask=self.mask,
+            token_ids=self.token_ids,
+            drop_first=self.drop_first,
+            drop_token_ids=self._drop,
+            padding=self.padding,
+        )
 
 
 class TokenSelection:

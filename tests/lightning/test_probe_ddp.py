@@ -156,10 +156,13 @@ def run_cases(devices: int) -> dict[str, Any]:
     return {"values": values, "seen": seen}
 
 
-def run_two_processes(out: Path, timeout: float) -> list[dict[str, Any]]:
-    """Launch this file on 2 DDP processes; a hang past ``timeout`` kills both and fails."""
+def run_two_processes(
+    out: Path, timeout: float, script: str | Path = __file__
+) -> list[dict[str, Any]]:
+    """Launch ``script`` (this file by default) on 2 DDP processes; a hang past ``timeout``
+    kills both and fails. Each rank writes ``out/rank{r}.json``."""
     process = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), str(out)],
+        [sys.executable, str(Path(script).resolve()), str(out)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,

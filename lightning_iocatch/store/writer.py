@@ -182,7 +182,7 @@ class ShardWriter:
         repeated: Sequence[bool] | None = None,
         required: Collection[str] = (),
         tokens: TokenSelection | None = None,
-        token_keys: Collection[str] = (),
+        token_keys: Collection[str] | None = None,
     ) -> int:
         """Queue one batch: ``tensors`` by key, ``indices`` the dataset index of each sample.
 
@@ -190,18 +190,20 @@ class ShardWriter:
         that must have a row per sample. ``tokens``: the batch's token selection, when the
         tensors were captured with it as the session's transform
         (``catcher(..., transform=selection)``), and ``token_keys`` the keys it selected
-        (``buffer.transformed_keys()``): those are stored one row per token, with their
-        coordinates (``__position__`` and ``__token_id__`` keys). Returns the number of rows
-        that will be written (rows of samples already committed or written are dropped).
-        Blocks while the queue is full.
+        (``buffer.transformed_keys()``; required with ``tokens``, ``()`` where it selected
+        none): those are stored one row per token, with their coordinates (``__position__``
+        and ``__token_id__`` keys). Returns the number of rows that will be written (rows of
+        samples already committed or written are dropped). Blocks while the queue is full.
 
         Raises:
             StoreError: a tensor that cannot be stored (naming its key), an index that is
-                not a non-negative integer, or an earlier failure of the writer thread.
+                not a non-negative integer, ``tokens`` without ``token_keys`` or token keys
+                naming no tensor, or an earlier failure of the writer thread.
         """
         self._raise_error()
         if self._closed:
             raise StoreError(f"the writer of {self.path} is closed")
+        _check_token_keys(tensors, tokens, token_keys)
         batch = self._rows.select(
             tensors,
             indices,
@@ -210,7 +212,7 @@ class ShardWriter:
             repeated=repeated,
             required=required,
             tokens=tokens,
-            token_keys=token_keys,
+            token_keys=token_keys or (),
         )
         if batch is None:
             return 0
@@ -350,6 +352,28 @@ class ShardWriter:
                 self.bytes_written += size
 
         return write
+
+
+def _check_token_keys(
+    tensors: Mapping[str, torch.Tensor],
+    tokens: TokenSelection | None,
+    token_keys: Collection[str] | None,
+) -> None:
+    """Refuse a token selection whose selected tensors are not named: without them, its
+    token rows would be stored once per batch, found out only when read."""
+    if tokens is not None and token_keys is None:
+        raise StoreError(
+            "ShardWriter.write got `tokens` without `token_keys`, the keys of the tensors the "
+            "selection selected (only those are stored one row per token); pass "
+            "`token_keys=` the keys it changed: `transformed_keys()` of the CaptureBuffer "
+            "captured with it as its transform (FeatureWriter passes them), or () for none"
+        )
+    unknown = sorted(set(token_keys or ()) - set(tensors))
+    if unknown:
+        raise StoreError(
+            f"`token_keys` name {unknown[0]!r}, which is not a tensor of this batch (it has "
+            f"{sorted(tensors)}); name the keys of `tensors` the token selection selected"
+        )
 
 
 def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBatch]) -> ShardRecord:

@@ -276,3 +276,29 @@ def test_an_unreachable_endpoint_no_credentials_or_a_bad_option_give_one_clear_e
     assert main(["inspect", "s3://b/run", "--storage-options", json.dumps(options)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
+
+
+def test_records_a_kill_left_beside_their_manifest_on_s3_are_deleted_by_a_resume(
+    server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the records the killed writer's manifest held stayed after the resume."""
+    from tests.store.test_object_leftovers import Killed, kill_at_record_deletes
+
+    url, options = f"s3://{bucket}/run", server.storage_options()
+    fs = object_location(url, options).fs
+    data = batches()
+    with monkeypatch.context() as patch:
+        kill_at_record_deletes(patch)
+        with pytest.raises(StoreError, match=Killed.__name__):
+            dump(open_backend(url, options), data[:4])
+
+    def records() -> list[str]:
+        fs.invalidate_cache()
+        return sorted(p for p in fs.find(f"{bucket}/run/commits") if p.endswith(".json"))
+
+    assert len(records()) == 2  # beside the manifest that holds them
+    dump(open_backend(url, options), data, mode="resume")
+    assert records() == []
+    store = FeatureStore(url, storage_options=options, verify=True)
+    assert store.indices.tolist() == list(range(len(store))) and store.duplicated_indices() == []
+    assert torch.equal(store["h/outputs"], torch.cat([t["h/outputs"] for _, t in data]))

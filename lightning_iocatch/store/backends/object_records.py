@@ -3,9 +3,11 @@
 A shard on object storage counts once its commit record object is written
 (:func:`commit_shard`), or once a manifest holds its record (:mod:`~.manifests`: written
 when a writer closes, and by a resume, after which the records it holds are deleted, so
-that ``commits/`` stays short). A store written on disk and copied here commits its shards
-with ledger objects instead. :func:`read_commit_entries` reads all three; opening a store
-lists only ``commits/`` and the ledgers (:func:`list_commit_points`), never the shards.
+that ``commits/`` stays short; a kill between a manifest and those deletes leaves records
+it holds, which the next resume deletes: :func:`delete_held_records`). A store written on
+disk and copied here commits its shards with ledger objects instead.
+:func:`read_commit_entries` reads all three; opening a store lists only ``commits/`` and
+the ledgers (:func:`list_commit_points`), never the shards.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from lightning_iocatch.store.backends.object_location import (
 )
 from lightning_iocatch.store.commits import (
     LedgerEntry,
+    read_commit_record,
     record_line,
     scan_ledger,
 )
@@ -43,7 +46,13 @@ from lightning_iocatch.store.names import (
 from lightning_iocatch.store.progress import Advance, progress_bar
 from lightning_iocatch.store.records import ShardRecord, format_version
 
-__all__ = ["commit_shard", "list_commit_points", "read_commit_entries", "write_manifests"]
+__all__ = [
+    "commit_shard",
+    "delete_held_records",
+    "list_commit_points",
+    "read_commit_entries",
+    "write_manifests",
+]
 
 _LEDGER_STEM = "ledger-"
 _FETCH_CHUNK = 1000  # objects fetched in one concurrent request (a bar moves on per chunk)
@@ -89,8 +98,8 @@ def read_commit_entries(
     ``listing`` names the objects (:func:`list_commit_points` or a listing of the whole
     prefix), ``store_format`` is that of ``store.json`` (ledger lines of format ``/1``
     carry no checksum); every object is fetched by its exact name, concurrently where the
-    filesystem can, and a commit record a manifest holds is not fetched (a resume
-    deletes it, but a kill may leave it). Damage raises a :class:`StoreError` naming the
+    filesystem can, and a commit record a manifest holds is not fetched (a kill may leave
+    it; the next resume deletes it). Damage raises a :class:`StoreError` naming the
     object (and the line). ``progress``: a bar of the objects fetched, on stderr.
     """
     manifests = sorted((span, name) for name in listing if (span := manifest_span(name)))
@@ -119,6 +128,50 @@ def read_commit_entries(
             raise StoreError(str(error).replace(str(path), location.url_of(name), 1)) from error
         every += [LedgerEntry(location.url_of(name), e.line, e.record) for e in scanned]
     return sorted(every, key=lambda entry: entry.commit_order)
+
+
+def delete_held_records(
+    location: ObjectLocation,
+    listing: dict[str, int],
+    entries: Iterable[LedgerEntry],
+    *,
+    store_format: str,
+    progress: bool = False,
+) -> list[str]:
+    """Delete the commit records of ``listing`` that a manifest already holds (a kill
+    between a manifest's write and the deletes of the records it gathers leaves them);
+    return their names.
+
+    ``entries`` are :func:`read_commit_entries`' of the same listing: a held shard's entry
+    is its manifest's line. Each such record is fetched and deleted only where it is that
+    line's record, field for field; one that is not is never deleted: a
+    :class:`StoreError` names both (readers use the manifest's line). No request is made
+    when no record is left.
+    """
+    spans = [span for name in listing if (span := manifest_span(name)) is not None]
+    held = held_by_manifests(spans)
+    left = sorted((named, name) for name in listing if (named := commit_rank_and_seq(name)) in held)
+    if not left:
+        return []
+    by_shard = {shard_rank_and_seq(entry.record.file): entry for entry in entries}
+    names = [name for _, name in left]
+    with progress_bar(
+        progress, "check left commit records", total=len(names), unit="obj"
+    ) as advance:
+        fetched = _fetch_whole(location, names, advance)
+    version = format_version(store_format)
+    for (named, name), data in zip(left, fetched, strict=True):
+        entry = by_shard[named]
+        record = read_commit_record(location.url_of(name), named, data, version).record
+        if record != entry.record:
+            raise StoreError(
+                f"commit record {location.url_of(name)} and {entry.where} record "
+                f"{entry.record.file} differently: the store is damaged (two runs wrote it "
+                f"at once?); readers use the manifest's line: if it is right, delete "
+                f"{location.url_of(name)} and resume again, else write to another path"
+            )
+    delete_objects(location, names)
+    return names
 
 
 def _fetch_whole(location: ObjectLocation, names: list[str], advance: Advance) -> list[bytes]:

@@ -23,7 +23,9 @@ The protocol, with every request made through the URL's fsspec filesystem:
    does not exist. It names the shard, its size and CRC-32, its batches and keys.
 3. **Manifests.** A writer that closes having committed every shard, and a resume, gather
    the commit records into manifests (:mod:`~.manifests`), then delete the records they
-   hold: a manifest's line is then the shard's commit point.
+   hold: a manifest's line is then the shard's commit point. A kill before those deletes
+   leaves records a manifest holds: the next resume deletes each, once it has checked
+   that the manifest's line is the same record (never one a manifest does not hold).
 4. **Readers list** ``commits/`` and the ledgers only (never the shards: a store of
    30,000 shards opens in a few requests) and never count a shard without a commit record
    or manifest line. A committed shard object that is missing or of another size is
@@ -71,6 +73,7 @@ from lightning_iocatch.store.backends.object_location import (
 )
 from lightning_iocatch.store.backends.object_records import (
     commit_shard,
+    delete_held_records,
     list_commit_points,
     read_commit_entries,
     write_manifests,
@@ -217,12 +220,18 @@ class ObjectBackend(StoreBackend):
 
     def clean_for_resume(self, store_format: str, *, progress: bool = False) -> Committed:
         """Delete shard objects without a commit record (or ledger line: a store copied from
-        disk); gather the commit records no manifest holds (those of a killed run) into
-        manifests. One listing of the whole prefix gives the shards' sizes too."""
+        disk) and the commit records a manifest already holds (left by a kill before their
+        deletes; each checked against its manifest's line); gather the commit records no
+        manifest holds (those of a killed run) into manifests. One listing of the whole
+        prefix gives the shards' sizes too."""
         listing = list_objects(self.location)
         entries = read_commit_entries(
             self.location, listing, store_format=store_format, progress=progress
         )
+        for name in delete_held_records(
+            self.location, listing, entries, store_format=store_format, progress=progress
+        ):
+            del listing[name]
         write_manifests(self.location, [e.record for e in entries if e.line == 0])
         kept = {entry.record.file for entry in entries}
         uncommitted = [

@@ -4,9 +4,7 @@ Stores are written by the real writer: FeatureWriter in a Trainer predict, and i
 Trainer-free core ShardWriter where a store needs what one predict cannot give (an index
 committed by two ranks, a key in only some batches, a tensor stored once per batch). The
 ground truth is the data set's own indices ``0 .. N-1`` and the store read by FeatureStore.
-Run as a script, this file is one rank of the 2-process DDP training run::
-
-    python tests/store/test_training_data.py STORE OUT_DIR START_METHOD
+The 2-process DDP training run is tests/scripts/store_rows_ddp.py.
 """
 
 from __future__ import annotations
@@ -389,7 +387,7 @@ def test_two_ddp_processes_read_every_row_once_per_epoch(
     Workers started by ``spawn`` or ``forkserver`` have no process group: before the fix
     each read as rank 0 of 1, so both ranks read all 45 rows (90 a epoch), without a word.
     """
-    run_script(__file__, str(dumped), str(tmp_path), start_method)
+    run_script(ROOT / "tests/scripts/store_rows_ddp.py", str(dumped), str(tmp_path), start_method)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [rank["sampler"] for rank in ranks] == ["_InfiniteConstantSampler"] * 2
     assert [rank["batches"] for rank in ranks] == [3, 3]  # 22 and 23 rows in batches of 11
@@ -405,41 +403,6 @@ def test_two_ddp_processes_read_every_row_once_per_epoch(
     by_hand = [index for rank in ranks for batch in rank["by_hand"] for index in batch]
     assert sorted(by_hand) == list(range(N))  # a DataLoader of StoreRows built by hand
     assert [len(rank["by_hand"]) for rank in ranks] == [3, 3]
-
-
-def ddp_main(store: Path, out: Path, start_method: str) -> None:
-    pl.seed_everything(0)
-    data = StoreDataModule(
-        store,
-        KEYS,
-        batch_size=11,
-        num_workers=2,
-        persistent_workers=start_method != "fork",  # each epoch in the same workers
-        multiprocessing_context=start_method,
-        seed=7,
-        with_indices=True,
-    )
-    module = Recorder()
-    run = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_epochs=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    run.fit(module, datamodule=data)
-    rows = StoreRows(store, KEYS, batch_size=11, seed=7, with_indices=True)
-    loader = DataLoader(rows, batch_size=None, num_workers=2, multiprocessing_context=start_method)
-    facts = {
-        "seen": module.seen,
-        "sampler": type(run.train_dataloader.sampler).__name__,
-        "batches": len(run.train_dataloader),
-        "by_hand": [batch[INDEX].tolist() for batch in loader],
-    }
-    (out / f"rank{run.global_rank}.json").write_text(json.dumps(facts))
 
 
 # Memory: flat on a store larger than a shuffle window
@@ -505,10 +468,6 @@ def test_the_example_trains_a_sparse_autoencoder_on_a_dump(tmp_path: Path) -> No
     assert result.rows == 1797 and result.steps == 8 * 29  # 1797 rows in batches of 64
     assert result.fvu_after < 0.1 * result.fvu_before
     assert result.active_after < 32
-
-
-if __name__ == "__main__":
-    ddp_main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float32])

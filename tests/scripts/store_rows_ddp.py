@@ -1,0 +1,80 @@
+"""Run by tests/store/test_training_data.py: one rank of a 2-process DDP fit on a store,
+its DataLoader workers started by a given start method, then a DataLoader of StoreRows
+built by hand; each rank writes what it read to ``OUT/rank{rank}.json``::
+
+    python tests/scripts/store_rows_ddp.py STORE OUT START_METHOD
+
+The top of this file imports nothing heavy on purpose: a worker started by ``spawn`` or
+``forkserver`` imports this script again as its ``__main__`` (8 workers a run), and needs
+only what unpickles the dataset. Lightning is imported in ``main``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+KEYS = ["model.layers.1/outputs", "head/inputs/args/0"]
+
+
+def main(store: Path, out: Path, start_method: str) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from lightning_iocatch.lightning.datamodule import StoreDataModule
+    from lightning_iocatch.store.training import INDEX, StoreRows
+
+    class Recorder(pl.LightningModule):
+        """Records the dataset indices of every training batch, by epoch."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 1)
+            self.seen: dict[int, list[list[int]]] = {}
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            self.seen.setdefault(self.current_epoch, []).append(batch[INDEX].tolist())
+            return self.layer(batch[KEYS[0]]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    pl.seed_everything(0)
+    data = StoreDataModule(
+        store,
+        KEYS,
+        batch_size=11,
+        num_workers=2,
+        persistent_workers=start_method != "fork",  # each epoch in the same workers
+        multiprocessing_context=start_method,
+        seed=7,
+        with_indices=True,
+    )
+    module = Recorder()
+    run = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    run.fit(module, datamodule=data)
+    rows = StoreRows(store, KEYS, batch_size=11, seed=7, with_indices=True)
+    loader = DataLoader(rows, batch_size=None, num_workers=2, multiprocessing_context=start_method)
+    facts = {
+        "seen": module.seen,
+        "sampler": type(run.train_dataloader.sampler).__name__,
+        "batches": len(run.train_dataloader),
+        "by_hand": [batch[INDEX].tolist() for batch in loader],
+    }
+    (out / f"rank{run.global_rank}.json").write_text(json.dumps(facts))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

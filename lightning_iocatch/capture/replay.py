@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_iocatch.capture.edits import Edit
 from lightning_iocatch.capture.keys import flatten_value
@@ -63,19 +64,25 @@ class Recorder:
             if edit.call is not None
         }
         self._events = 0
-        self._handles = []
-        for name, module in model.named_modules():
-            if name:
-                self._handles.append(
-                    module.register_forward_pre_hook(self._started, with_kwargs=True)
-                )
-                # first among the forward hooks: the output as forward returned it (other
-                # hooks run on a replayed output again), and also when forward raises
-                hook = module.register_forward_hook(self._ended, prepend=True, always_call=True)
-                self._handles.append(hook)
+        self._handles: list[RemovableHandle] = []
+        try:
+            for name, module in model.named_modules():
+                if name:
+                    self._handles.append(
+                        module.register_forward_pre_hook(self._started, with_kwargs=True)
+                    )
+                    # first among the forward hooks: the output as forward returned it (other
+                    # hooks run on a replayed output again), and also when forward raises
+                    hook = module.register_forward_hook(self._ended, prepend=True, always_call=True)
+                    self._handles.append(hook)
+        except BaseException:  # a module that takes no hooks: none is left behind
+            self.remove()
+            raise
 
     def remove(self) -> None:
-        for handle in self._handles:
+        """Remove every hook registered (also those of a registration that failed)."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
             handle.remove()
 
     def _tick(self) -> int:

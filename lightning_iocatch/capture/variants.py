@@ -34,7 +34,9 @@ a clean output its own inputs did not produce. A call whose output was modified 
 later in the clean forward, or is an inference tensor (made under an inference mode the
 forward enters itself), is never replayed. A variant that modifies a replayed output in
 place (an edit function working in place) makes the batch run again with every forward
-whole. A global module forward hook makes every variant run whole. With ``share=False``
+whole. A global module forward hook makes every variant run whole, and so do
+``torch.compile``'d or TorchScript parts (which take no hooks; said once). No hook or
+swapped forward outlives the call, also when a forward raises. With ``share=False``
 every variant runs its whole forward. Module names are resolved at every call (a module
 replaced since is the one edited).
 
@@ -178,6 +180,13 @@ class Variants:
             )
         if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in self._all()):
             return "the model has torch.compile'd parts: every variant runs its whole forward"
+        scripted = [n for n, m in self.catcher.model.named_modules() if _scripted(m)]
+        if scripted or _scripted(self.catcher.root):
+            which = f"module {scripted[0]!r}" if scripted and scripted[0] else "the model"
+            return (
+                f"{which} is TorchScript (torch.jit.script or trace), which takes no hooks to "
+                "record its calls: every variant runs its whole forward"
+            )
         if _global_forward_hooks:
             return (
                 "a global module forward hook is registered (it would run again on a "
@@ -197,3 +206,7 @@ class Variants:
         if note not in self.notes:
             self.notes.append(note)
             warnings.warn(f"Variants: {note}", stacklevel=3)
+
+
+def _scripted(module: nn.Module) -> bool:
+    return isinstance(module, torch.jit.ScriptModule)

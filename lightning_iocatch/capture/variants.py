@@ -42,8 +42,12 @@ replaced since is the one edited).
 
 Other sessions open on the model (or a module of it) are set aside while the forwards run
 (:meth:`~lightning_iocatch.capture.coordinator.ForwardCoordinator.apart`): their hooks
-neither capture these forwards nor edit them. The forwards run under ``torch.no_grad()``
-outside inference mode, so that changes in place are seen (version counters).
+neither capture these forwards nor edit them. The forwards run under ``torch.no_grad()``,
+in inference mode where the caller is (as Lightning's validation loop): a model that writes
+in place into a tensor made in inference mode (its input, a buffer made at its first
+forward) runs as it does in the loop. Changes in place are seen by version counters, and
+inference tensors, which have none, are kept as private copies (see
+:mod:`~lightning_iocatch.capture.replay`).
 
 Examples:
     >>> import torch
@@ -84,6 +88,8 @@ class Variants:
             them; another session must not be open on it).
         variants: name -> the edits of that variant (``"clean"`` is reserved).
         share: replay the clean forward's calls before each variant's edit point.
+        say: how a fallback or a note is said, once each (default: ``warnings.warn``; under
+            several processes, e.g. Lightning's ``rank_zero_warn``).
 
     Calling it with a function that runs the forward (``lambda: model(batch)``) returns
     ``{"clean": output, name: output, ...}``. :attr:`fallbacks` says why a forward or a
@@ -96,6 +102,7 @@ class Variants:
         catcher: ModelIOCatcher,
         variants: Mapping[str, Sequence[Edit]],
         share: bool = True,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         if not variants:
             raise ValueError("`variants` is empty: give at least one name -> edits")
@@ -109,6 +116,7 @@ class Variants:
         self.catcher = catcher
         self.variants = {name: list(edits) for name, edits in variants.items()}
         self.share = share
+        self._say = say
         self.fallbacks: list[str] = []
         self.notes: list[str] = []
 
@@ -128,7 +136,7 @@ class Variants:
         ``indices``: the batch's dataset indices, for edits that need them
         (:meth:`~lightning_iocatch.capture.edits.Edit.for_batch`)."""
         coordinator = self.catcher.coordinator
-        with torch.inference_mode(False), torch.no_grad(), coordinator.apart(self.catcher.root):
+        with torch.no_grad(), coordinator.apart(self.catcher.root):
             reason = self._why_not_shared() if self.share else None
             if reason is not None:
                 self._fell_back(reason)
@@ -200,12 +208,18 @@ class Variants:
     def _fell_back(self, reason: str) -> None:
         if reason not in self.fallbacks:
             self.fallbacks.append(reason)
-            warnings.warn(f"Variants: {reason}", stacklevel=3)
+            self._said(f"Variants: {reason}")
 
     def _noted(self, note: str) -> None:
         if note not in self.notes:
             self.notes.append(note)
-            warnings.warn(f"Variants: {note}", stacklevel=3)
+            self._said(f"Variants: {note}")
+
+    def _said(self, message: str) -> None:
+        if self._say is not None:
+            self._say(message)
+        else:
+            warnings.warn(message, stacklevel=4)
 
 
 def _scripted(module: nn.Module) -> bool:

@@ -44,120 +44,21 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit
+from lightning_iocatch.capture.snapshots import map_tensors
 from lightning_iocatch.capture.store_patch import refuse_left_padding
 from lightning_iocatch.capture.variants import CLEAN, Variants
 from lightning_iocatch.lightning.batch_indices import BatchIndexer, missing_indices_reason
+from lightning_iocatch.lightning.effect_terms import (
+    default_forward,
+    default_output,
+    kl_per_sample,
+    next_token_loss,
+)
 
 __all__ = ["InterventionEffects", "kl_per_sample", "next_token_loss"]
 
-_CHUNK = 256  # positions turned into float64 [positions, vocab] at once
 _KEYS = 3  # the key columns of a sample's row: dataloader, rank (-1: index known), index
 LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
-
-
-def next_token_loss(logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sample: the sum of next-token cross-entropies (float64) and their number.
-
-    A batch with ``labels`` (a mapping): as Hugging Face's causal LM loss, position ``t``
-    predicts ``labels[t + 1]``, where it is not -100. Else ``batch["input_ids"]`` (or a batch
-    that is a ``[batch, seq]`` tensor of token ids): position ``t`` predicts token ``t + 1``,
-    counted where ``batch["attention_mask"]`` (if any) is 1 at both. For a batch ``(x, y)``
-    with ``logits`` of ``[batch, classes]``: the cross-entropy of ``y``, one term per sample.
-    Logits of other positions than the tokens' (a prefix of soft prompts) are refused.
-    """
-    tokens = isinstance(batch, torch.Tensor) and batch.dim() == 2 and not batch.is_floating_point()
-    if (tokens or (isinstance(batch, Mapping) and "input_ids" in batch)) and logits.dim() == 3:
-        ids = batch if tokens else batch["input_ids"]
-        mask = None if tokens else batch.get("attention_mask")
-        labels = None if tokens else batch.get("labels")
-        if labels is not None:
-            ids, mask = labels, None
-        if logits.shape[:2] != ids.shape[:2]:
-            raise ValueError(
-                f"logits of shape {tuple(logits.shape)} for tokens of shape "
-                f"{tuple(ids.shape)}: the default loss needs one position per token; give "
-                "`output=` returning the tokens' logits, or `loss=` your own"
-            )
-        keep = torch.ones_like(ids[:, 1:], dtype=torch.bool)
-        if labels is not None:
-            keep = ids[:, 1:] != -100
-        elif mask is not None:
-            keep = keep & mask[:, 1:].bool() & mask[:, :-1].bool()
-        sums = torch.zeros(len(ids), dtype=torch.float64, device=logits.device)
-        for row in range(len(ids)):  # one sample at a time, [positions, vocab] in float64
-            for start in range(0, ids.shape[1] - 1, _CHUNK):
-                end = min(start + _CHUNK, ids.shape[1] - 1)
-                terms = torch.nn.functional.cross_entropy(
-                    logits[row, start:end].double(),
-                    ids[row, start + 1 : end + 1],
-                    reduction="none",
-                    ignore_index=-100,
-                )
-                sums[row] += terms[keep[row, start:end]].sum()
-        return sums, keep.sum(1).double()
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and logits.dim() == 2:
-        terms = torch.nn.functional.cross_entropy(logits.double(), batch[1], reduction="none")
-        return terms, torch.ones_like(terms)
-    raise ValueError(
-        f"no default loss for outputs of shape {tuple(logits.shape)} and a batch of type "
-        f"{type(batch).__name__}: the default is next-token cross-entropy for a batch with "
-        "`input_ids` (a mapping) or cross-entropy for a batch `(x, y)`; give "
-        "`loss=lambda logits, batch: ...` returning per-sample losses (or per-sample sums "
-        "and counts)"
-    )
-
-
-def kl_per_sample(
-    clean: torch.Tensor, variant: torch.Tensor, batch: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sample: the sum over positions of KL(clean || variant) of the softmax over the
-    last dimension (float64; a class the clean logits rule out, -inf, adds nothing), and the
-    number of positions (``attention_mask``'s ones)."""
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    if mask is not None and clean.dim() == 3 and clean.shape[:2] != mask.shape[:2]:
-        raise ValueError(
-            f"logits of shape {tuple(clean.shape)} for an attention_mask of shape "
-            f"{tuple(mask.shape)}: KL is taken at the mask's positions; give `output=` "
-            "returning one position per token"
-        )
-    if mask is not None and clean.dim() != 3:
-        mask = None  # one distribution per sample: no positions to mask
-    sums = torch.zeros(len(clean), dtype=torch.float64, device=clean.device)
-    for row in range(len(clean)):
-        p_row, q_row = (
-            clean[row].reshape(-1, clean.shape[-1]),
-            variant[row].reshape(-1, clean.shape[-1]),
-        )
-        keep = mask[row].bool() if mask is not None else torch.ones(len(p_row), dtype=torch.bool)
-        for start in range(0, len(p_row), _CHUNK):  # [positions, vocab] in float64, in parts
-            p = torch.log_softmax(p_row[start : start + _CHUNK].double(), -1)
-            q = torch.log_softmax(q_row[start : start + _CHUNK].double(), -1)
-            kl = torch.where(torch.isneginf(p), 0.0, p.exp() * (p - q)).sum(-1)  # 0 log 0 = 0
-            sums[row] += kl[keep[start : start + _CHUNK].to(kl.device)].sum()
-    if mask is not None:
-        return sums, mask.sum(1).double()
-    return sums, torch.full_like(sums, float(clean[0].numel() // clean.shape[-1]))
-
-
-def default_forward(module: pl.LightningModule, batch: Any) -> Any:
-    """``module(**batch)`` for a mapping, ``module(batch[0])`` for ``(x, y)``, else
-    ``module(batch)``."""
-    if isinstance(batch, Mapping):
-        return module(**batch)
-    if isinstance(batch, (tuple, list)):
-        return module(batch[0])
-    return module(batch)
-
-
-def default_output(output: Any) -> torch.Tensor:
-    """An output's ``logits`` attribute, the output itself if a tensor, or its first value."""
-    if hasattr(output, "logits"):
-        return output.logits
-    if isinstance(output, (tuple, list)):
-        output = output[0]
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"the forward returned a {type(output).__name__}: give `output=`")
-    return output
 
 
 class InterventionEffects(pl.Callback):
@@ -209,6 +110,7 @@ class InterventionEffects(pl.Callback):
         self._rows: list[torch.Tensor] = []
         self._counter = 0
         self._stage = "validate"
+        self._given: Any = None
 
     def names(self, suffix: str = "") -> list[str]:
         """The names logged each epoch (``suffix``: the dataloader's, with several)."""
@@ -225,6 +127,18 @@ class InterventionEffects(pl.Callback):
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start(trainer, pl_module, "test")
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._batch_start(batch)
+
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._batch_start(batch)
 
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -250,7 +164,7 @@ class InterventionEffects(pl.Callback):
             return
         if self._runner is None or self._runner.catcher.model is not pl_module:
             catcher = ModelIOCatcher(pl_module, None)
-            self._runner = Variants(catcher, self.variants, share=self.share)
+            self._runner = Variants(catcher, self.variants, share=self.share, say=rank_zero_warn)
         self._indexer = BatchIndexer(stage)
         self._stage = stage
         self._rows, self._counter = [], 0
@@ -261,12 +175,18 @@ class InterventionEffects(pl.Callback):
                 "sample the sampler repeats across processes is counted again"
             )
 
+    def _batch_start(self, batch: Any) -> None:
+        """The batch as the loader gave it, before the step (which may write into it)."""
+        if self._indexer is not None:
+            self._given = map_tensors(batch, torch.clone)
+
     def _batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
         dataloader_idx: int,
     ) -> None:  # fmt: skip
         if self._indexer is None or self._runner is None:
             return  # the sanity check: nothing is logged for it
+        batch, self._given = (batch if self._given is None else self._given), None
         indices = self._indexer(trainer, batch_idx, dataloader_idx)
         repeated = self._indexer.repeated(batch_idx, dataloader_idx)
         refuse_left_padding([e for edits in self.variants.values() for e in edits], batch)
@@ -274,8 +194,8 @@ class InterventionEffects(pl.Callback):
         context = (
             precision.val_step_context if self._stage == "validate" else precision.test_step_context
         )
-        with context():
-            outputs = self._runner(lambda: self.forward(pl_module, batch), indices)
+        with context():  # and in the loop's grad mode (inference mode): as the step runs
+            outputs = self._runner(lambda: self._forward(pl_module, batch), indices)
         logits = {name: self.output(value) for name, value in outputs.items()}
         columns = [*self._terms(logits[CLEAN], batch)]
         for name in self.variants:
@@ -297,6 +217,22 @@ class InterventionEffects(pl.Callback):
         if repeated is not None and len(repeated) == size:
             rows = rows[~torch.tensor(repeated, dtype=torch.bool)]
         self._rows.append(rows)
+
+    def _forward(self, pl_module: pl.LightningModule, batch: Any) -> Any:
+        """One forward, on its own copy of the batch (a model may write into its input)."""
+        try:
+            return self.forward(pl_module, map_tensors(batch, torch.clone))
+        except TypeError as error:
+            if self.forward is not default_forward:
+                raise
+            call = "pl_module(**batch)" if isinstance(batch, Mapping) else "pl_module(batch[0])"
+            raise TypeError(
+                f"InterventionEffects called the model as `{call}` (its default `forward=`), "
+                f"which failed: {error}. Give `forward=` calling it as your validation_step "
+                "does, and `output=` if the result is not the logits (or has no `.logits`), "
+                "e.g. InterventionEffects(variants, forward=lambda module, batch: module(batch), "
+                "output=lambda out: out.logits)"
+            ) from error
 
     def _terms(self, logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         value = self.loss(logits, batch)

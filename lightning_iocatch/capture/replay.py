@@ -61,10 +61,18 @@ class Recorder:
     """Hooks on every module of a model that record its calls during one clean forward,
     and the edit point of each variant."""
 
-    def __init__(self, model: nn.Module, points: dict[str, list[tuple[nn.Module, Edit]]]):
+    def __init__(
+        self,
+        model: nn.Module,
+        points: dict[str, list[tuple[nn.Module, Edit]]],
+        context: Callable[[], Any] | None = None,
+    ):
         self.points = points
+        self.contexts: list[Any] = []  # ``context()`` at each outermost call's start
+        self._context = context
         self._holders = _holders(model, {id(m) for found in points.values() for m, _ in found})
         self.edit_at: dict[str, float] = dict.fromkeys(points, math.inf)
+        self._clean = math.inf  # the edit point of no edits: the clean forward replayed
         self.top: list[Call] = []
         self._stack: list[tuple[int, Call | None]] = []  # (the module's call number, call)
         self._counts: dict[int, int] = {}
@@ -109,9 +117,14 @@ class Recorder:
             for _, outer in self._stack:
                 if outer is not None:
                     outer.counted_inside = True
-        if all(at < math.inf for at in self.edit_at.values()):
+        reused = self._context is not None  # its outermost calls may be the clean forward
+        if (self._stack or not reused) and all(at < math.inf for at in self.edit_at.values()):
             self._stack.append((number, None))  # after every edit point: nothing to replay
             return
+        if not self._stack and self._context is not None:  # (for mypy: `reused`)
+            own = len(self._handles)  # the context without this recorder's hooks
+            context = self._context()
+            self.contexts.append((*context[:2], context[2] - own, *context[3:]))
         parent = self._stack[-1][1] if self._stack else None
         kept = parent is None or id(parent.module) in self._holders  # may be replayed alone
         given_args, given_kwargs = _copied((args, kwargs), kept)  # as given, not appended to
@@ -148,7 +161,7 @@ class Recorder:
 
     def replayable(self, variant: str, fell_back: Callable[[str], None]) -> list[Call]:
         """The outermost calls that ended before ``variant``'s edit point, unchanged since."""
-        edit_at, found = self.edit_at[variant], []
+        edit_at, found = self.edit_at.get(variant, self._clean), []
         pending = list(self.top)
         while pending:
             call = pending.pop(0)
@@ -181,6 +194,7 @@ class Replaying:
             self._modules[id(call.module)] = call.module
         self._fell_back, self._noted = fell_back, noted
         self._saved: dict[int, Any] = {}
+        self.replayed = self.differed = 0  # calls replayed, calls that ran for real instead
 
     def __enter__(self) -> None:
         for key, module in self._modules.items():
@@ -212,7 +226,9 @@ class Replaying:
                             "the layers before its edit point: do not decode from it; "
                             "use_cache=False avoids it)"
                         )
+                    self.replayed += 1
                     return _copied(call.output, call.copied)  # containers anew, copies
+                self.differed += 1
                 self._fell_back(
                     f"a call of {type(module).__name__} before the edit point had other "
                     "arguments than in the clean forward (or its output was modified in "

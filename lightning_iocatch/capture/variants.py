@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit
@@ -78,6 +78,7 @@ from lightning_iocatch.capture.replay import Call, Recorder, Replaying, unchange
 __all__ = ["CLEAN", "Variants"]
 
 CLEAN = "clean"
+_KINDS = ("cpu", "cuda")  # the autocast device types a context records
 
 
 class Variants:
@@ -118,6 +119,7 @@ class Variants:
         self.share = share
         self._say = say
         self.fallbacks: list[str] = []
+        self.reused = False
         self.notes: list[str] = []
 
     def _points(self) -> dict[str, list[tuple[nn.Module, Edit]]]:
@@ -129,24 +131,45 @@ class Variants:
             for name, edits in self.variants.items()
         }
 
+    def record(self) -> Recorder | None:
+        """Start recording the model's calls, to reuse a forward run elsewhere (a validation
+        step's own) as the clean one: hand it to the next call as ``recorded=`` (which
+        removes its hooks; :meth:`Recorder.remove` if it is not handed). ``None`` where the
+        variants are not shared."""
+        if not self.share or self._why_not_shared() is not None:
+            return None
+        return Recorder(self.catcher.model, self._points(), self._context)
+
     def __call__(
-        self, forward: Callable[[], Any], indices: Sequence[int] | None = None
+        self,
+        forward: Callable[[], Any],
+        indices: Sequence[int] | None = None,
+        recorded: Recorder | None = None,
     ) -> dict[str, Any]:
         """``{"clean": forward(), name: forward() under the variant's edits, ...}``;
         ``indices``: the batch's dataset indices, for edits that need them
-        (:meth:`~lightning_iocatch.capture.edits.Edit.for_batch`)."""
+        (:meth:`~lightning_iocatch.capture.edits.Edit.for_batch`); ``recorded``: a
+        recording (:meth:`record`) of a forward run since, reused as the clean forward
+        where ``forward()`` calls the model as it did, in the same context (else said once,
+        and the clean forward runs; :attr:`reused` says which)."""
         coordinator = self.catcher.coordinator
+        self.reused = False
+        if recorded is not None:
+            recorded.remove()
         with torch.no_grad(), coordinator.apart(self.catcher.root):
             reason = self._why_not_shared() if self.share else None
             if reason is not None:
                 self._fell_back(reason)
             if not self.share or reason is not None:
                 return self._whole(forward, indices)
-            recorder = Recorder(self.catcher.model, self._points())
-            try:
-                outputs = {CLEAN: forward()}
-            finally:
-                recorder.remove()
+            outputs = self._reuse(recorded, forward) if recorded is not None else None
+            if outputs is None or recorded is None:
+                recorded = Recorder(self.catcher.model, self._points())
+                try:
+                    outputs = {CLEAN: forward()}
+                finally:
+                    recorded.remove()
+            recorder = recorded
             for name in self.variants:
                 replayed = recorder.replayable(name, self._fell_back)
                 outputs[name] = self._variant(name, forward, indices, replayed)
@@ -159,6 +182,40 @@ class Variants:
                     )
                     return self._whole(forward, indices)
             return outputs
+
+    def _reuse(self, recorded: Recorder, forward: Callable[[], Any]) -> dict[str, Any] | None:
+        """The clean output replayed from ``recorded``, or ``None`` (said once) where
+        ``forward()`` does not call the model as the recorded forward did."""
+        now = self._context()
+        if not recorded.top or any(context != now for context in recorded.contexts):
+            why = "it ran no forward of the model" if not recorded.top else (
+                "another autocast, grad mode, hooks or an open session's edits"
+            )  # fmt: skip
+        else:
+            quiet = _quiet  # a call that differs: said below as the reason
+            replaying = Replaying(recorded.replayable(CLEAN, quiet), quiet, self._noted)
+            with replaying:
+                clean = forward()
+            if replaying.replayed and not replaying.differed:
+                self.reused = True
+                return {CLEAN: clean}
+            why = "the forward called the model with other arguments"
+        self._fell_back(
+            f"the recorded forward (a validation step's own) could not be reused as the clean "
+            f"forward ({why}): the clean forward runs apart"
+        )
+        return None
+
+    def _context(self) -> tuple[Any, ...]:
+        """What a forward's values depend on besides its arguments and weights, that a
+        replay from another forward must share."""
+        model, coordinator = self.catcher.model, self.catcher.coordinator
+        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+        edits = [id(s) for s in coordinator.sessions if coordinator.acts(s) and _edits(s)]
+        autocast = [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _KINDS]
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), hooks, edits,
+                autocast, len(_global_forward_hooks), len(_global_forward_pre_hooks),
+                [m.training for m in model.modules()])  # fmt: skip
 
     def _whole(self, forward: Callable[[], Any], indices: Sequence[int] | None) -> dict[str, Any]:
         outputs = {CLEAN: forward()}
@@ -224,3 +281,11 @@ class Variants:
 
 def _scripted(module: nn.Module) -> bool:
     return isinstance(module, torch.jit.ScriptModule)
+
+
+def _edits(session: object) -> bool:
+    return bool(getattr(session, "edits", None))
+
+
+def _quiet(reason: str) -> None:
+    return None

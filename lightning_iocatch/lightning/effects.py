@@ -44,6 +44,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit
+from lightning_iocatch.capture.replay import Recorder
 from lightning_iocatch.capture.snapshots import map_tensors
 from lightning_iocatch.capture.store_patch import refuse_left_padding
 from lightning_iocatch.capture.variants import CLEAN, Variants
@@ -75,6 +76,9 @@ class InterventionEffects(pl.Callback):
         output: the logits of what ``forward`` returns; default: its ``.logits``, or itself.
         share: share the computation before each variant's edit point (see
             :mod:`~lightning_iocatch.capture.variants` for when that is exact).
+        reuse: reuse the validation step's own forward as the clean one, where the step
+            calls the model as ``forward`` does, in the same context (checked call by call;
+            else said once, and the clean forward runs apart).
         prefix: of the logged names.
     """
 
@@ -87,6 +91,7 @@ class InterventionEffects(pl.Callback):
         forward: Callable[[pl.LightningModule, Any], Any] | None = None,
         output: Callable[[Any], torch.Tensor] | None = None,
         share: bool = True,
+        reuse: bool = True,
         prefix: str = "effects",
     ) -> None:
         if not variants or CLEAN in variants:
@@ -103,7 +108,7 @@ class InterventionEffects(pl.Callback):
         self.loss = loss or next_token_loss
         self.forward = forward or default_forward
         self.output = output or default_output
-        self.share, self.prefix = share, prefix
+        self.share, self.reuse, self.prefix = share, reuse, prefix
         self.last_values: dict[str, float] = {}
         self._runner: Variants | None = None
         self._indexer: BatchIndexer | None = None
@@ -111,6 +116,8 @@ class InterventionEffects(pl.Callback):
         self._counter = 0
         self._stage = "validate"
         self._given: Any = None
+        self._reuse = reuse
+        self._recording: Recorder | None = None
 
     def names(self, suffix: str = "") -> list[str]:
         """The names logged each epoch (``suffix``: the dataloader's, with several)."""
@@ -132,13 +139,13 @@ class InterventionEffects(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:  # fmt: skip
-        self._batch_start(batch)
+        self._batch_start(trainer, batch)
 
     def on_test_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:  # fmt: skip
-        self._batch_start(batch)
+        self._batch_start(trainer, batch)
 
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -153,10 +160,17 @@ class InterventionEffects(pl.Callback):
         self._batch(trainer, pl_module, batch, batch_idx, dataloader_idx)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._drop_recording()
         self._log(trainer, pl_module)
 
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._drop_recording()
         self._log(trainer, pl_module)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._drop_recording()  # no hook outlives a failure
 
     def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.sanity_checking:
@@ -168,6 +182,7 @@ class InterventionEffects(pl.Callback):
         self._indexer = BatchIndexer(stage)
         self._stage = stage
         self._rows, self._counter = [], 0
+        self._reuse = self.reuse
         reason = missing_indices_reason(trainer, stage)
         if reason is not None and trainer.world_size > 1:
             rank_zero_warn(
@@ -175,10 +190,20 @@ class InterventionEffects(pl.Callback):
                 "sample the sampler repeats across processes is counted again"
             )
 
-    def _batch_start(self, batch: Any) -> None:
-        """The batch as the loader gave it, before the step (which may write into it)."""
-        if self._indexer is not None:
-            self._given = map_tensors(batch, torch.clone)
+    def _batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
+        """The batch as the loader gave it, before the step (which may write into it), and
+        the step's forward recorded, to be reused as the clean one."""
+        if self._indexer is None or self._runner is None:
+            return
+        self._given = map_tensors(batch, torch.clone)
+        self._drop_recording()
+        if self._reuse:
+            self._recording = self._runner.record()
+
+    def _drop_recording(self) -> None:
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            recording.remove()
 
     def _batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
@@ -194,8 +219,11 @@ class InterventionEffects(pl.Callback):
         context = (
             precision.val_step_context if self._stage == "validate" else precision.test_step_context
         )
+        recorded, self._recording = self._recording, None
         with context():  # and in the loop's grad mode (inference mode): as the step runs
-            outputs = self._runner(lambda: self._forward(pl_module, batch), indices)
+            outputs = self._runner(lambda: self._forward(pl_module, batch), indices, recorded)
+        if recorded is not None and not self._runner.reused:
+            self._reuse = False  # said once: the step calls the model otherwise
         logits = {name: self.output(value) for name, value in outputs.items()}
         columns = [*self._terms(logits[CLEAN], batch)]
         for name in self.variants:

@@ -24,21 +24,36 @@ Replaying is exact when:
    avoids it); where later layers read keys stored by earlier ones, their arguments differ
    from the clean call's and they run for real;
 4. changes in place go through PyTorch (a kernel of your own that writes into a tensor
-   without bumping its version counter is not seen).
+   without bumping its version counter is not seen). Under inference mode a replayed
+   output is a private copy of what the call returned: code that writes into it in place
+   to change a module's own state through it (a view of a buffer) does not change that
+   state in a variant.
 
 Each replayed call is checked before it is replayed: its tensor arguments must be equal
 (``torch.equal``, or the very tensor not modified since) to the clean call's, its other
 arguments equal, or, for objects that do not compare by value (a cache object), of the same
 type. A call that differs runs for real (once said in a warning), so a variant never sees
 a clean output its own inputs did not produce. A call whose output was modified in place
-later in the clean forward, or is an inference tensor (made under an inference mode the
-forward enters itself), is never replayed. A variant that modifies a replayed output in
+later in the clean forward is never replayed; inference tensors, which have no version
+counter, are kept as private copies when the call starts and ends (see
+:mod:`~lightning_iocatch.capture.replay`). A variant that modifies a replayed output in
 place (an edit function working in place) makes the batch run again with every forward
 whole. A global module forward hook makes every variant run whole, and so do
 ``torch.compile``'d or TorchScript parts (which take no hooks; said once). No hook or
 swapped forward outlives the call, also when a forward raises. With ``share=False``
 every variant runs its whole forward. Module names are resolved at every call (a module
 replaced since is the one edited).
+
+**A forward run elsewhere as the clean one.** :meth:`Variants.record` arms the recording
+before a forward that is not the variants' own (a validation step's), and
+``variants(forward, recorded=recording)`` replays it as the clean forward: every outermost
+call of ``forward()`` is checked as above against the recorded one, so a forward that
+calls the model otherwise runs for real, and then the clean forward runs apart with its
+own recording (said once). The recorded forward must also have run in the same context as
+``forward()``: the same autocast, grad and inference mode, the same module hooks and modes,
+and no open session's edits (checked at each outermost call; else it is not reused, said
+once). Not checked: other global state a forward reads (a seed drawn from, a flag of the
+model's own changed between the two).
 
 Other sessions open on the model (or a module of it) are set aside while the forwards run
 (:meth:`~lightning_iocatch.capture.coordinator.ForwardCoordinator.apart`): their hooks

@@ -21,8 +21,13 @@ evenly). Where a dataloader gives no dataset indices (see
 :func:`~lightning_iocatch.lightning.batch_indices.missing_indices_reason`), samples are
 summed as they come and a sampler's repeats are counted: a warning says so.
 
-The forwards run apart from other sessions open on the model (an ``IOCaptureCallback``'s):
-they neither capture nor edit them. Edits that need the batch's dataset indices (a
+The clean forward is the validation step's own where the step calls the model as
+``forward`` does, in the same context (recorded from the batch's start and replayed,
+checked call by call: :meth:`~lightning_iocatch.capture.variants.Variants.record`); else
+the callback says so once and runs its own. The forwards run in the loop's precision and
+inference mode, each on its own copy of the batch as the loader gave it, and apart from
+other sessions open on the model (an ``IOCaptureCallback``'s): they neither capture nor
+edit them. Edits that need the batch's dataset indices (a
 :class:`~lightning_iocatch.capture.store_patch.StorePatch`) get them.
 
 Examples:

@@ -24,7 +24,9 @@ other rows).
   splice and the zero ablation, ``recovered``) over ``trainer.validate`` without it, the
   validation step computing the model's cross-entropy (2 batches a run, a new Trainer
   each); the callback reuses the step's forward as the clean one and computes its losses
-  and KL in float64. Its floor is ``ideal_three`` less the clean forward, plus the losses.
+  and KL in float64. Its floor is ``ideal_three`` less the clean forward, plus the losses;
+- ``validate_with_effects_apart``: the same with ``reuse=False`` (the callback's own clean
+  forward beside the step's, as before the reuse).
 
 Subnormal floats are flushed to zero (``torch.set_flush_denormal``) for every row: with random
 weights they are common, and their slow arithmetic would be timed instead of the work.
@@ -100,7 +102,7 @@ def validate_rows(lm: GPT2LMHeadModel, sae: nn.Module, ids: torch.Tensor) -> dic
     data = [{"input_ids": row, "attention_mask": torch.ones_like(row)} for row in ids]
     loader = DataLoader(data + data, batch_size=8)  # 2 batches
 
-    def run(effects: bool) -> None:
+    def run(effects: bool, reuse: bool = True) -> None:
         callbacks: list[pl.Callback] = []
         if effects:
             edits = {
@@ -109,14 +111,20 @@ def validate_rows(lm: GPT2LMHeadModel, sae: nn.Module, ids: torch.Tensor) -> dic
             }
             forward = lambda m, b: m(b["input_ids"], b["attention_mask"])  # noqa: E731
             callbacks.append(
-                InterventionEffects(edits, recovered={"splice": "zero"}, forward=forward)
+                InterventionEffects(
+                    edits, recovered={"splice": "zero"}, forward=forward, reuse=reuse
+                )
             )
         quiet_trainer(callbacks).validate(module, loader, verbose=False)
         if effects:
             runner = callbacks[0]._runner  # type: ignore[attr-defined]
-            assert runner.reused and runner.fallbacks == [], runner.fallbacks
+            assert runner.reused == reuse and runner.fallbacks == [], runner.fallbacks
 
-    return {"plain": lambda: run(False), "validate_with_effects": lambda: run(True)}
+    return {
+        "plain": lambda: run(False),
+        "validate_with_effects": lambda: run(True),
+        "validate_with_effects_apart": lambda: run(True, reuse=False),
+    }
 
 
 def main() -> None:
@@ -175,6 +183,7 @@ def main() -> None:
         ratios.setdefault("baseline_s", []).append(found["baseline_s"])
     found = interleaved_ratios(validate_rows(lm, sae, ids), repeats=3 if args.quick else 5)
     ratios["validate_with_effects"] = found["validate_with_effects"]
+    ratios["validate_with_effects_apart"] = found["validate_with_effects_apart"]
     ratios["validate_s"] = found["baseline_s"]
     tail_zero, tail_sae = ratios.pop("tail"), ratios.pop("tail_sae")
     ratios["ideal_three"] = round(1 + tail_zero["median"] + tail_sae["median"], 3)

@@ -56,6 +56,8 @@ def test_the_steps_forward_is_the_clean_forward(precision: str):
     expected = truth(5, 2, bf16=precision == "bf16-mixed")
     for name, value in expected.items():
         assert effects.last_values[name] == pytest.approx(value, rel=1e-10), name
+    if precision != "32-true":
+        return
     again = LM()
     calls = counted(again)
     validate(again, precision, reuse=False)

@@ -19,7 +19,14 @@ other rows).
 - ``one_zero_shared``: clean + the zero ablation (sharing alone, no SAE);
 - ``ideal_*``: 1 + the time of what each variant must compute (blocks 6-11, norm, head,
   and the SAE for the splice) over the clean forward's, measured the same way: the floor
-  any sharing can reach.
+  any sharing can reach;
+- ``validate_with_effects``: ``trainer.validate`` with ``InterventionEffects`` (the SAE
+  splice and the zero ablation, ``recovered``) over ``trainer.validate`` without it, the
+  validation step computing the model's cross-entropy (2 batches a run, a new Trainer
+  each); the callback reuses the step's forward as the clean one and computes its losses
+  and KL in float64. Its floor is ``ideal_three`` less the clean forward, plus the losses;
+- ``validate_with_effects_apart``: the same with ``reuse=False`` (the callback's own clean
+  forward beside the step's, as before the reuse).
 
 Subnormal floats are flushed to zero (``torch.set_flush_denormal``) for every row: with random
 weights they are common, and their slow arithmetic would be timed instead of the work.
@@ -34,12 +41,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
-from common import interleaved_ratios, run_facts
+from common import interleaved_ratios, quiet_trainer, run_facts
 from torch import nn
+from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from lightning_iocatch import InterventionEffects
 from lightning_iocatch.capture import ModelIOCatcher, Replace, Zero
 from lightning_iocatch.capture.variants import Variants
 
@@ -65,6 +76,55 @@ class SAE(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.decoder(torch.relu(self.encoder(h)))
+
+
+class Validated(pl.LightningModule):
+    """The LM as a LightningModule whose validation step logs its cross-entropy."""
+
+    def __init__(self, lm: GPT2LMHeadModel) -> None:
+        super().__init__()
+        self.model = lm
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        logits = self(batch["input_ids"], batch["attention_mask"]).logits
+        loss = nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), batch["input_ids"][:, 1:].flatten()
+        )
+        self.log("val_loss", loss)
+
+
+def validate_rows(lm: GPT2LMHeadModel, sae: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+    """``plain``: validate without the callback; ``validate_with_effects``: with it."""
+    module = Validated(lm)
+    data = [{"input_ids": row, "attention_mask": torch.ones_like(row)} for row in ids]
+    loader = DataLoader(data + data, batch_size=8)  # 2 batches
+
+    def run(effects: bool, reuse: bool = True) -> None:
+        callbacks: list[pl.Callback] = []
+        if effects:
+            edits = {
+                "splice": [Replace(f"model.{EDITED}", sae, kind="inputs")],
+                "zero": [Zero(f"model.{EDITED}", kind="inputs")],
+            }
+            forward = lambda m, b: m(b["input_ids"], b["attention_mask"])  # noqa: E731
+            callbacks.append(
+                InterventionEffects(
+                    edits, recovered={"splice": "zero"}, forward=forward, reuse=reuse
+                )
+            )
+        quiet_trainer(callbacks).validate(module, loader, verbose=False)
+        if effects:
+            runner = callbacks[0]._runner  # type: ignore[attr-defined]
+            assert runner.reused == reuse and runner.fallbacks == [], runner.fallbacks
+
+    return {
+        "plain": lambda: run(False),
+        "validate_with_effects": lambda: run(True),
+        "validate_with_effects_apart": lambda: run(True, reuse=False),
+    }
 
 
 def main() -> None:
@@ -121,6 +181,10 @@ def main() -> None:
             )
         ratios |= {name: found[name] for name in group}
         ratios.setdefault("baseline_s", []).append(found["baseline_s"])
+    found = interleaved_ratios(validate_rows(lm, sae, ids), repeats=3 if args.quick else 5)
+    ratios["validate_with_effects"] = found["validate_with_effects"]
+    ratios["validate_with_effects_apart"] = found["validate_with_effects_apart"]
+    ratios["validate_s"] = found["baseline_s"]
     tail_zero, tail_sae = ratios.pop("tail"), ratios.pop("tail_sae")
     ratios["ideal_three"] = round(1 + tail_zero["median"] + tail_sae["median"], 3)
     ratios["ideal_one"] = round(1 + tail_sae["median"], 3)

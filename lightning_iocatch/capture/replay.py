@@ -6,6 +6,14 @@ the point where each variant's edits first take effect; :class:`Replaying` swaps
 forward, the forwards of the calls that ended before that point for ones that return the
 clean outputs, each call checked first (:func:`same`: its arguments are the clean call's;
 version counters: nothing was modified in place since).
+
+Under ``torch.inference_mode`` (as in Lightning's validation loop) the tensors a forward
+makes are inference tensors, which have no version counter: a call that may be replayed
+(one made by the forward itself, or by a module that holds an edited module) keeps private
+copies of the inference tensors it was given and returned, taken when it started and ended,
+its arguments are compared by value, and each replay returns fresh copies; an output that
+aliases an input tensor (``nn.Identity``, dropout in eval mode), or a call whose copies were
+not kept, is never replayed.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_iocatch.capture.edits import Edit
 from lightning_iocatch.capture.keys import flatten_value
@@ -43,16 +52,27 @@ class Call:
     children: list[Call] = field(default_factory=list)
     counted_inside: bool = False  # a module edited at one call (`call=`) ran inside it
     opaque: str | None = None  # the type of an argument compared by type only
-    never: bool = False  # it raised, returned nothing, or returned an inference tensor
+    never: bool = False  # it raised, returned nothing, or holds inference tensors not kept
+    copied: bool = False  # its inference tensors are private copies (return fresh ones)
+    given: set[int] = field(default_factory=set)  # where its inference arguments lie
 
 
 class Recorder:
     """Hooks on every module of a model that record its calls during one clean forward,
     and the edit point of each variant."""
 
-    def __init__(self, model: nn.Module, points: dict[str, list[tuple[nn.Module, Edit]]]):
+    def __init__(
+        self,
+        model: nn.Module,
+        points: dict[str, list[tuple[nn.Module, Edit]]],
+        context: Callable[[], Any] | None = None,
+    ):
         self.points = points
+        self.contexts: list[Any] = []  # ``context()`` at each outermost call's start
+        self._context = context
+        self._holders = _holders(model, {id(m) for found in points.values() for m, _ in found})
         self.edit_at: dict[str, float] = dict.fromkeys(points, math.inf)
+        self._clean = math.inf  # the edit point of no edits: the clean forward replayed
         self.top: list[Call] = []
         self._stack: list[tuple[int, Call | None]] = []  # (the module's call number, call)
         self._counts: dict[int, int] = {}
@@ -63,19 +83,25 @@ class Recorder:
             if edit.call is not None
         }
         self._events = 0
-        self._handles = []
-        for name, module in model.named_modules():
-            if name:
-                self._handles.append(
-                    module.register_forward_pre_hook(self._started, with_kwargs=True)
-                )
-                # first among the forward hooks: the output as forward returned it (other
-                # hooks run on a replayed output again), and also when forward raises
-                hook = module.register_forward_hook(self._ended, prepend=True, always_call=True)
-                self._handles.append(hook)
+        self._handles: list[RemovableHandle] = []
+        try:
+            for name, module in model.named_modules():
+                if name:
+                    self._handles.append(
+                        module.register_forward_pre_hook(self._started, with_kwargs=True)
+                    )
+                    # first among the forward hooks: the output as forward returned it (other
+                    # hooks run on a replayed output again), and also when forward raises
+                    hook = module.register_forward_hook(self._ended, prepend=True, always_call=True)
+                    self._handles.append(hook)
+        except BaseException:  # a module that takes no hooks: none is left behind
+            self.remove()
+            raise
 
     def remove(self) -> None:
-        for handle in self._handles:
+        """Remove every hook registered (also those of a registration that failed)."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
             handle.remove()
 
     def _tick(self) -> int:
@@ -91,14 +117,23 @@ class Recorder:
             for _, outer in self._stack:
                 if outer is not None:
                     outer.counted_inside = True
-        if all(at < math.inf for at in self.edit_at.values()):
+        reused = self._context is not None  # its outermost calls may be the clean forward
+        if (self._stack or not reused) and all(at < math.inf for at in self.edit_at.values()):
             self._stack.append((number, None))  # after every edit point: nothing to replay
             return
-        given_args, given_kwargs = _copied((args, kwargs))  # as given, not as appended to
+        if not self._stack and self._context is not None:  # (for mypy: `reused`)
+            own = len(self._handles)  # the context without this recorder's hooks
+            context = self._context()
+            self.contexts.append((*context[:2], context[2] - own, *context[3:]))
+        parent = self._stack[-1][1] if self._stack else None
+        kept = parent is None or id(parent.module) in self._holders  # may be replayed alone
+        given_args, given_kwargs = _copied((args, kwargs), kept)  # as given, not appended to
         versions = _versions((given_args, given_kwargs))
         call = Call(module, number, now, given_args, given_kwargs, versions=versions)
         call.opaque = _opaque((args, kwargs))
-        parent = self._stack[-1][1] if self._stack else None
+        call.copied = kept
+        call.given = _storages((args, kwargs))
+        call.never = not kept and bool(call.given)  # cannot be compared later
         (parent.children if parent is not None else self.top).append(call)
         self._stack.append((number, call))
 
@@ -106,12 +141,12 @@ class Recorder:
         number, call = self._stack.pop() if self._stack else (0, None)
         now = self._tick()
         if call is not None:
-            call.end, call.output = now, _copied(output)
-            returned = _versions(output)
-            call.versions += returned
-            if output is None or any(v is None for _, v in returned):
-                # it raised, or returned nothing, or an inference tensor (made under an
-                # inference mode of its own), whose changes in place cannot be seen
+            call.end, call.output = now, _copied(output, call.copied)
+            call.versions += _versions(output)
+            returned = _storages(output)
+            if output is None or (returned and not call.copied) or returned & call.given:
+                # it raised, or returned nothing, or inference tensors not kept (whose
+                # changes in place cannot be seen), or one of its inputs (a copy would not)
                 call.never = True
             inside = any(call.start < at <= now for at in self.edit_at.values())
             if not inside and not call.counted_inside:
@@ -126,7 +161,7 @@ class Recorder:
 
     def replayable(self, variant: str, fell_back: Callable[[str], None]) -> list[Call]:
         """The outermost calls that ended before ``variant``'s edit point, unchanged since."""
-        edit_at, found = self.edit_at[variant], []
+        edit_at, found = self.edit_at.get(variant, self._clean), []
         pending = list(self.top)
         while pending:
             call = pending.pop(0)
@@ -159,6 +194,7 @@ class Replaying:
             self._modules[id(call.module)] = call.module
         self._fell_back, self._noted = fell_back, noted
         self._saved: dict[int, Any] = {}
+        self.replayed = self.differed = 0  # calls replayed, calls that ran for real instead
 
     def __enter__(self) -> None:
         for key, module in self._modules.items():
@@ -190,7 +226,9 @@ class Replaying:
                             "the layers before its edit point: do not decode from it; "
                             "use_cache=False avoids it)"
                         )
-                    return _copied(call.output)  # containers anew: code after may append
+                    self.replayed += 1
+                    return _copied(call.output, call.copied)  # containers anew, copies
+                self.differed += 1
                 self._fell_back(
                     f"a call of {type(module).__name__} before the edit point had other "
                     "arguments than in the clean forward (or its output was modified in "
@@ -201,14 +239,40 @@ class Replaying:
         return forward
 
 
-def _copied(value: Any) -> Any:
+def _copied(value: Any, inference: bool = False) -> Any:
     """``value``'s containers copied (:func:`~lightning_iocatch.capture.snapshots.map_tensors`
-    with the tensors themselves): what code after a call appends to is a copy."""
-    return map_tensors(value, _itself)
+    with the tensors themselves): what code after a call appends to is a copy; with
+    ``inference``, its inference tensors copied too (they have no version counter)."""
+    return map_tensors(value, _private if inference else _itself)
 
 
 def _itself(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _private(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_inference():
+        return tensor
+    with torch.inference_mode():  # a copy no one else holds, an inference tensor as given
+        return tensor.clone()
+
+
+def _storages(value: Any) -> set[int]:
+    """Where the inference tensors of ``value`` lie (their storages' addresses)."""
+    found = (
+        t.untyped_storage().data_ptr() for _, t in flatten_value(value, "") if t.is_inference()
+    )
+    return {address for address in found if address}
+
+
+def _holders(model: nn.Module, edited: set[int]) -> set[int]:
+    """The ids of the modules of ``model`` that hold an edited module (strictly)."""
+    names = [name for name, module in model.named_modules() if id(module) in edited]
+    found = {id(model)}
+    for name, module in model.named_modules():
+        if name and any(other.startswith(f"{name}.") for other in names):
+            found.add(id(module))
+    return found
 
 
 def _opaque(value: Any) -> str | None:

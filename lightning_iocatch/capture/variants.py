@@ -24,24 +24,45 @@ Replaying is exact when:
    avoids it); where later layers read keys stored by earlier ones, their arguments differ
    from the clean call's and they run for real;
 4. changes in place go through PyTorch (a kernel of your own that writes into a tensor
-   without bumping its version counter is not seen).
+   without bumping its version counter is not seen). Under inference mode a replayed
+   output is a private copy of what the call returned: code that writes into it in place
+   to change a module's own state through it (a view of a buffer) does not change that
+   state in a variant.
 
 Each replayed call is checked before it is replayed: its tensor arguments must be equal
 (``torch.equal``, or the very tensor not modified since) to the clean call's, its other
 arguments equal, or, for objects that do not compare by value (a cache object), of the same
 type. A call that differs runs for real (once said in a warning), so a variant never sees
 a clean output its own inputs did not produce. A call whose output was modified in place
-later in the clean forward, or is an inference tensor (made under an inference mode the
-forward enters itself), is never replayed. A variant that modifies a replayed output in
+later in the clean forward is never replayed; inference tensors, which have no version
+counter, are kept as private copies when the call starts and ends (see
+:mod:`~lightning_iocatch.capture.replay`). A variant that modifies a replayed output in
 place (an edit function working in place) makes the batch run again with every forward
-whole. A global module forward hook makes every variant run whole. With ``share=False``
+whole. A global module forward hook makes every variant run whole, and so do
+``torch.compile``'d or TorchScript parts (which take no hooks; said once). No hook or
+swapped forward outlives the call, also when a forward raises. With ``share=False``
 every variant runs its whole forward. Module names are resolved at every call (a module
 replaced since is the one edited).
 
+**A forward run elsewhere as the clean one.** :meth:`Variants.record` arms the recording
+before a forward that is not the variants' own (a validation step's), and
+``variants(forward, recorded=recording)`` replays it as the clean forward: every outermost
+call of ``forward()`` is checked as above against the recorded one, so a forward that
+calls the model otherwise runs for real, and then the clean forward runs apart with its
+own recording (said once). The recorded forward must also have run in the same context as
+``forward()``: the same autocast, grad and inference mode, the same module hooks and modes,
+and no open session's edits (checked at each outermost call; else it is not reused, said
+once). Not checked: other global state a forward reads (a seed drawn from, a flag of the
+model's own changed between the two).
+
 Other sessions open on the model (or a module of it) are set aside while the forwards run
 (:meth:`~lightning_iocatch.capture.coordinator.ForwardCoordinator.apart`): their hooks
-neither capture these forwards nor edit them. The forwards run under ``torch.no_grad()``
-outside inference mode, so that changes in place are seen (version counters).
+neither capture these forwards nor edit them. The forwards run under ``torch.no_grad()``,
+in inference mode where the caller is (as Lightning's validation loop): a model that writes
+in place into a tensor made in inference mode (its input, a buffer made at its first
+forward) runs as it does in the loop. Changes in place are seen by version counters, and
+inference tensors, which have none, are kept as private copies (see
+:mod:`~lightning_iocatch.capture.replay`).
 
 Examples:
     >>> import torch
@@ -63,7 +84,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit
@@ -72,6 +93,7 @@ from lightning_iocatch.capture.replay import Call, Recorder, Replaying, unchange
 __all__ = ["CLEAN", "Variants"]
 
 CLEAN = "clean"
+_KINDS = ("cpu", "cuda")  # the autocast device types a context records
 
 
 class Variants:
@@ -82,6 +104,8 @@ class Variants:
             them; another session must not be open on it).
         variants: name -> the edits of that variant (``"clean"`` is reserved).
         share: replay the clean forward's calls before each variant's edit point.
+        say: how a fallback or a note is said, once each (default: ``warnings.warn``; under
+            several processes, e.g. Lightning's ``rank_zero_warn``).
 
     Calling it with a function that runs the forward (``lambda: model(batch)``) returns
     ``{"clean": output, name: output, ...}``. :attr:`fallbacks` says why a forward or a
@@ -94,6 +118,7 @@ class Variants:
         catcher: ModelIOCatcher,
         variants: Mapping[str, Sequence[Edit]],
         share: bool = True,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         if not variants:
             raise ValueError("`variants` is empty: give at least one name -> edits")
@@ -107,7 +132,9 @@ class Variants:
         self.catcher = catcher
         self.variants = {name: list(edits) for name, edits in variants.items()}
         self.share = share
+        self._say = say
         self.fallbacks: list[str] = []
+        self.reused = False
         self.notes: list[str] = []
 
     def _points(self) -> dict[str, list[tuple[nn.Module, Edit]]]:
@@ -119,24 +146,45 @@ class Variants:
             for name, edits in self.variants.items()
         }
 
+    def record(self) -> Recorder | None:
+        """Start recording the model's calls, to reuse a forward run elsewhere (a validation
+        step's own) as the clean one: hand it to the next call as ``recorded=`` (which
+        removes its hooks; :meth:`Recorder.remove` if it is not handed). ``None`` where the
+        variants are not shared."""
+        if not self.share or self._why_not_shared() is not None:
+            return None
+        return Recorder(self.catcher.model, self._points(), self._context)
+
     def __call__(
-        self, forward: Callable[[], Any], indices: Sequence[int] | None = None
+        self,
+        forward: Callable[[], Any],
+        indices: Sequence[int] | None = None,
+        recorded: Recorder | None = None,
     ) -> dict[str, Any]:
         """``{"clean": forward(), name: forward() under the variant's edits, ...}``;
         ``indices``: the batch's dataset indices, for edits that need them
-        (:meth:`~lightning_iocatch.capture.edits.Edit.for_batch`)."""
+        (:meth:`~lightning_iocatch.capture.edits.Edit.for_batch`); ``recorded``: a
+        recording (:meth:`record`) of a forward run since, reused as the clean forward
+        where ``forward()`` calls the model as it did, in the same context (else said once,
+        and the clean forward runs; :attr:`reused` says which)."""
         coordinator = self.catcher.coordinator
-        with torch.inference_mode(False), torch.no_grad(), coordinator.apart(self.catcher.root):
+        self.reused = False
+        if recorded is not None:
+            recorded.remove()
+        with torch.no_grad(), coordinator.apart(self.catcher.root):
             reason = self._why_not_shared() if self.share else None
             if reason is not None:
                 self._fell_back(reason)
             if not self.share or reason is not None:
                 return self._whole(forward, indices)
-            recorder = Recorder(self.catcher.model, self._points())
-            try:
-                outputs = {CLEAN: forward()}
-            finally:
-                recorder.remove()
+            outputs = self._reuse(recorded, forward) if recorded is not None else None
+            if outputs is None or recorded is None:
+                recorded = Recorder(self.catcher.model, self._points())
+                try:
+                    outputs = {CLEAN: forward()}
+                finally:
+                    recorded.remove()
+            recorder = recorded
             for name in self.variants:
                 replayed = recorder.replayable(name, self._fell_back)
                 outputs[name] = self._variant(name, forward, indices, replayed)
@@ -149,6 +197,40 @@ class Variants:
                     )
                     return self._whole(forward, indices)
             return outputs
+
+    def _reuse(self, recorded: Recorder, forward: Callable[[], Any]) -> dict[str, Any] | None:
+        """The clean output replayed from ``recorded``, or ``None`` (said once) where
+        ``forward()`` does not call the model as the recorded forward did."""
+        now = self._context()
+        if not recorded.top or any(context != now for context in recorded.contexts):
+            why = "it ran no forward of the model" if not recorded.top else (
+                "another autocast, grad mode, hooks or an open session's edits"
+            )  # fmt: skip
+        else:
+            quiet = _quiet  # a call that differs: said below as the reason
+            replaying = Replaying(recorded.replayable(CLEAN, quiet), quiet, self._noted)
+            with replaying:
+                clean = forward()
+            if replaying.replayed and not replaying.differed:
+                self.reused = True
+                return {CLEAN: clean}
+            why = "the forward called the model with other arguments"
+        self._fell_back(
+            f"the recorded forward (a validation step's own) could not be reused as the clean "
+            f"forward ({why}): the clean forward runs apart"
+        )
+        return None
+
+    def _context(self) -> tuple[Any, ...]:
+        """What a forward's values depend on besides its arguments and weights, that a
+        replay from another forward must share."""
+        model, coordinator = self.catcher.model, self.catcher.coordinator
+        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+        edits = [id(s) for s in coordinator.sessions if coordinator.acts(s) and _edits(s)]
+        autocast = [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _KINDS]
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), hooks, edits,
+                autocast, len(_global_forward_hooks), len(_global_forward_pre_hooks),
+                [m.training for m in model.modules()])  # fmt: skip
 
     def _whole(self, forward: Callable[[], Any], indices: Sequence[int] | None) -> dict[str, Any]:
         outputs = {CLEAN: forward()}
@@ -178,6 +260,13 @@ class Variants:
             )
         if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in self._all()):
             return "the model has torch.compile'd parts: every variant runs its whole forward"
+        scripted = [n for n, m in self.catcher.model.named_modules() if _scripted(m)]
+        if scripted or _scripted(self.catcher.root):
+            which = f"module {scripted[0]!r}" if scripted and scripted[0] else "the model"
+            return (
+                f"{which} is TorchScript (torch.jit.script or trace), which takes no hooks to "
+                "record its calls: every variant runs its whole forward"
+            )
         if _global_forward_hooks:
             return (
                 "a global module forward hook is registered (it would run again on a "
@@ -191,9 +280,27 @@ class Variants:
     def _fell_back(self, reason: str) -> None:
         if reason not in self.fallbacks:
             self.fallbacks.append(reason)
-            warnings.warn(f"Variants: {reason}", stacklevel=3)
+            self._said(f"Variants: {reason}")
 
     def _noted(self, note: str) -> None:
         if note not in self.notes:
             self.notes.append(note)
-            warnings.warn(f"Variants: {note}", stacklevel=3)
+            self._said(f"Variants: {note}")
+
+    def _said(self, message: str) -> None:
+        if self._say is not None:
+            self._say(message)
+        else:
+            warnings.warn(message, stacklevel=4)
+
+
+def _scripted(module: nn.Module) -> bool:
+    return isinstance(module, torch.jit.ScriptModule)
+
+
+def _edits(session: object) -> bool:
+    return bool(getattr(session, "edits", None))
+
+
+def _quiet(reason: str) -> None:
+    return None

@@ -21,8 +21,13 @@ evenly). Where a dataloader gives no dataset indices (see
 :func:`~lightning_iocatch.lightning.batch_indices.missing_indices_reason`), samples are
 summed as they come and a sampler's repeats are counted: a warning says so.
 
-The forwards run apart from other sessions open on the model (an ``IOCaptureCallback``'s):
-they neither capture nor edit them. Edits that need the batch's dataset indices (a
+The clean forward is the validation step's own where the step calls the model as
+``forward`` does, in the same context (recorded from the batch's start and replayed,
+checked call by call: :meth:`~lightning_iocatch.capture.variants.Variants.record`); else
+the callback says so once and runs its own. The forwards run in the loop's precision and
+inference mode, each on its own copy of the batch as the loader gave it, and apart from
+other sessions open on the model (an ``IOCaptureCallback``'s): they neither capture nor
+edit them. Edits that need the batch's dataset indices (a
 :class:`~lightning_iocatch.capture.store_patch.StorePatch`) get them.
 
 Examples:
@@ -44,120 +49,22 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit
+from lightning_iocatch.capture.replay import Recorder
+from lightning_iocatch.capture.snapshots import map_tensors
 from lightning_iocatch.capture.store_patch import refuse_left_padding
 from lightning_iocatch.capture.variants import CLEAN, Variants
 from lightning_iocatch.lightning.batch_indices import BatchIndexer, missing_indices_reason
+from lightning_iocatch.lightning.effect_terms import (
+    default_forward,
+    default_output,
+    kl_per_sample,
+    next_token_loss,
+)
 
 __all__ = ["InterventionEffects", "kl_per_sample", "next_token_loss"]
 
-_CHUNK = 256  # positions turned into float64 [positions, vocab] at once
 _KEYS = 3  # the key columns of a sample's row: dataloader, rank (-1: index known), index
 LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
-
-
-def next_token_loss(logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sample: the sum of next-token cross-entropies (float64) and their number.
-
-    A batch with ``labels`` (a mapping): as Hugging Face's causal LM loss, position ``t``
-    predicts ``labels[t + 1]``, where it is not -100. Else ``batch["input_ids"]`` (or a batch
-    that is a ``[batch, seq]`` tensor of token ids): position ``t`` predicts token ``t + 1``,
-    counted where ``batch["attention_mask"]`` (if any) is 1 at both. For a batch ``(x, y)``
-    with ``logits`` of ``[batch, classes]``: the cross-entropy of ``y``, one term per sample.
-    Logits of other positions than the tokens' (a prefix of soft prompts) are refused.
-    """
-    tokens = isinstance(batch, torch.Tensor) and batch.dim() == 2 and not batch.is_floating_point()
-    if (tokens or (isinstance(batch, Mapping) and "input_ids" in batch)) and logits.dim() == 3:
-        ids = batch if tokens else batch["input_ids"]
-        mask = None if tokens else batch.get("attention_mask")
-        labels = None if tokens else batch.get("labels")
-        if labels is not None:
-            ids, mask = labels, None
-        if logits.shape[:2] != ids.shape[:2]:
-            raise ValueError(
-                f"logits of shape {tuple(logits.shape)} for tokens of shape "
-                f"{tuple(ids.shape)}: the default loss needs one position per token; give "
-                "`output=` returning the tokens' logits, or `loss=` your own"
-            )
-        keep = torch.ones_like(ids[:, 1:], dtype=torch.bool)
-        if labels is not None:
-            keep = ids[:, 1:] != -100
-        elif mask is not None:
-            keep = keep & mask[:, 1:].bool() & mask[:, :-1].bool()
-        sums = torch.zeros(len(ids), dtype=torch.float64, device=logits.device)
-        for row in range(len(ids)):  # one sample at a time, [positions, vocab] in float64
-            for start in range(0, ids.shape[1] - 1, _CHUNK):
-                end = min(start + _CHUNK, ids.shape[1] - 1)
-                terms = torch.nn.functional.cross_entropy(
-                    logits[row, start:end].double(),
-                    ids[row, start + 1 : end + 1],
-                    reduction="none",
-                    ignore_index=-100,
-                )
-                sums[row] += terms[keep[row, start:end]].sum()
-        return sums, keep.sum(1).double()
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and logits.dim() == 2:
-        terms = torch.nn.functional.cross_entropy(logits.double(), batch[1], reduction="none")
-        return terms, torch.ones_like(terms)
-    raise ValueError(
-        f"no default loss for outputs of shape {tuple(logits.shape)} and a batch of type "
-        f"{type(batch).__name__}: the default is next-token cross-entropy for a batch with "
-        "`input_ids` (a mapping) or cross-entropy for a batch `(x, y)`; give "
-        "`loss=lambda logits, batch: ...` returning per-sample losses (or per-sample sums "
-        "and counts)"
-    )
-
-
-def kl_per_sample(
-    clean: torch.Tensor, variant: torch.Tensor, batch: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sample: the sum over positions of KL(clean || variant) of the softmax over the
-    last dimension (float64; a class the clean logits rule out, -inf, adds nothing), and the
-    number of positions (``attention_mask``'s ones)."""
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    if mask is not None and clean.dim() == 3 and clean.shape[:2] != mask.shape[:2]:
-        raise ValueError(
-            f"logits of shape {tuple(clean.shape)} for an attention_mask of shape "
-            f"{tuple(mask.shape)}: KL is taken at the mask's positions; give `output=` "
-            "returning one position per token"
-        )
-    if mask is not None and clean.dim() != 3:
-        mask = None  # one distribution per sample: no positions to mask
-    sums = torch.zeros(len(clean), dtype=torch.float64, device=clean.device)
-    for row in range(len(clean)):
-        p_row, q_row = (
-            clean[row].reshape(-1, clean.shape[-1]),
-            variant[row].reshape(-1, clean.shape[-1]),
-        )
-        keep = mask[row].bool() if mask is not None else torch.ones(len(p_row), dtype=torch.bool)
-        for start in range(0, len(p_row), _CHUNK):  # [positions, vocab] in float64, in parts
-            p = torch.log_softmax(p_row[start : start + _CHUNK].double(), -1)
-            q = torch.log_softmax(q_row[start : start + _CHUNK].double(), -1)
-            kl = torch.where(torch.isneginf(p), 0.0, p.exp() * (p - q)).sum(-1)  # 0 log 0 = 0
-            sums[row] += kl[keep[start : start + _CHUNK].to(kl.device)].sum()
-    if mask is not None:
-        return sums, mask.sum(1).double()
-    return sums, torch.full_like(sums, float(clean[0].numel() // clean.shape[-1]))
-
-
-def default_forward(module: pl.LightningModule, batch: Any) -> Any:
-    """``module(**batch)`` for a mapping, ``module(batch[0])`` for ``(x, y)``, else
-    ``module(batch)``."""
-    if isinstance(batch, Mapping):
-        return module(**batch)
-    if isinstance(batch, (tuple, list)):
-        return module(batch[0])
-    return module(batch)
-
-
-def default_output(output: Any) -> torch.Tensor:
-    """An output's ``logits`` attribute, the output itself if a tensor, or its first value."""
-    if hasattr(output, "logits"):
-        return output.logits
-    if isinstance(output, (tuple, list)):
-        output = output[0]
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"the forward returned a {type(output).__name__}: give `output=`")
-    return output
 
 
 class InterventionEffects(pl.Callback):
@@ -174,6 +81,9 @@ class InterventionEffects(pl.Callback):
         output: the logits of what ``forward`` returns; default: its ``.logits``, or itself.
         share: share the computation before each variant's edit point (see
             :mod:`~lightning_iocatch.capture.variants` for when that is exact).
+        reuse: reuse the validation step's own forward as the clean one, where the step
+            calls the model as ``forward`` does, in the same context (checked call by call;
+            else said once, and the clean forward runs apart).
         prefix: of the logged names.
     """
 
@@ -186,6 +96,7 @@ class InterventionEffects(pl.Callback):
         forward: Callable[[pl.LightningModule, Any], Any] | None = None,
         output: Callable[[Any], torch.Tensor] | None = None,
         share: bool = True,
+        reuse: bool = True,
         prefix: str = "effects",
     ) -> None:
         if not variants or CLEAN in variants:
@@ -202,13 +113,16 @@ class InterventionEffects(pl.Callback):
         self.loss = loss or next_token_loss
         self.forward = forward or default_forward
         self.output = output or default_output
-        self.share, self.prefix = share, prefix
+        self.share, self.reuse, self.prefix = share, reuse, prefix
         self.last_values: dict[str, float] = {}
         self._runner: Variants | None = None
         self._indexer: BatchIndexer | None = None
         self._rows: list[torch.Tensor] = []
         self._counter = 0
         self._stage = "validate"
+        self._given: Any = None
+        self._reuse = reuse
+        self._recording: Recorder | None = None
 
     def names(self, suffix: str = "") -> list[str]:
         """The names logged each epoch (``suffix``: the dataloader's, with several)."""
@@ -226,6 +140,18 @@ class InterventionEffects(pl.Callback):
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start(trainer, pl_module, "test")
 
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._batch_start(trainer, batch)
+
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._batch_start(trainer, batch)
+
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
         batch_idx: int, dataloader_idx: int = 0,
@@ -239,10 +165,17 @@ class InterventionEffects(pl.Callback):
         self._batch(trainer, pl_module, batch, batch_idx, dataloader_idx)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._drop_recording()
         self._log(trainer, pl_module)
 
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._drop_recording()
         self._log(trainer, pl_module)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._drop_recording()  # no hook outlives a failure
 
     def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.sanity_checking:
@@ -250,10 +183,11 @@ class InterventionEffects(pl.Callback):
             return
         if self._runner is None or self._runner.catcher.model is not pl_module:
             catcher = ModelIOCatcher(pl_module, None)
-            self._runner = Variants(catcher, self.variants, share=self.share)
+            self._runner = Variants(catcher, self.variants, share=self.share, say=rank_zero_warn)
         self._indexer = BatchIndexer(stage)
         self._stage = stage
         self._rows, self._counter = [], 0
+        self._reuse = self.reuse
         reason = missing_indices_reason(trainer, stage)
         if reason is not None and trainer.world_size > 1:
             rank_zero_warn(
@@ -261,12 +195,28 @@ class InterventionEffects(pl.Callback):
                 "sample the sampler repeats across processes is counted again"
             )
 
+    def _batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
+        """The batch as the loader gave it, before the step (which may write into it), and
+        the step's forward recorded, to be reused as the clean one."""
+        if self._indexer is None or self._runner is None:
+            return
+        self._given = map_tensors(batch, torch.clone)
+        self._drop_recording()
+        if self._reuse:
+            self._recording = self._runner.record()
+
+    def _drop_recording(self) -> None:
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            recording.remove()
+
     def _batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
         dataloader_idx: int,
     ) -> None:  # fmt: skip
         if self._indexer is None or self._runner is None:
             return  # the sanity check: nothing is logged for it
+        batch, self._given = (batch if self._given is None else self._given), None
         indices = self._indexer(trainer, batch_idx, dataloader_idx)
         repeated = self._indexer.repeated(batch_idx, dataloader_idx)
         refuse_left_padding([e for edits in self.variants.values() for e in edits], batch)
@@ -274,8 +224,11 @@ class InterventionEffects(pl.Callback):
         context = (
             precision.val_step_context if self._stage == "validate" else precision.test_step_context
         )
-        with context():
-            outputs = self._runner(lambda: self.forward(pl_module, batch), indices)
+        recorded, self._recording = self._recording, None
+        with context():  # and in the loop's grad mode (inference mode): as the step runs
+            outputs = self._runner(lambda: self._forward(pl_module, batch), indices, recorded)
+        if recorded is not None and not self._runner.reused:
+            self._reuse = False  # said once: the step calls the model otherwise
         logits = {name: self.output(value) for name, value in outputs.items()}
         columns = [*self._terms(logits[CLEAN], batch)]
         for name in self.variants:
@@ -297,6 +250,22 @@ class InterventionEffects(pl.Callback):
         if repeated is not None and len(repeated) == size:
             rows = rows[~torch.tensor(repeated, dtype=torch.bool)]
         self._rows.append(rows)
+
+    def _forward(self, pl_module: pl.LightningModule, batch: Any) -> Any:
+        """One forward, on its own copy of the batch (a model may write into its input)."""
+        try:
+            return self.forward(pl_module, map_tensors(batch, torch.clone))
+        except TypeError as error:
+            if self.forward is not default_forward:
+                raise
+            call = "pl_module(**batch)" if isinstance(batch, Mapping) else "pl_module(batch[0])"
+            raise TypeError(
+                f"InterventionEffects called the model as `{call}` (its default `forward=`), "
+                f"which failed: {error}. Give `forward=` calling it as your validation_step "
+                "does, and `output=` if the result is not the logits (or has no `.logits`), "
+                "e.g. InterventionEffects(variants, forward=lambda module, batch: module(batch), "
+                "output=lambda out: out.logits)"
+            ) from error
 
     def _terms(self, logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         value = self.loss(logits, batch)

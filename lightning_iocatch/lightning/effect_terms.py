@@ -1,0 +1,122 @@
+"""What :class:`~lightning_iocatch.lightning.effects.InterventionEffects` computes of each
+forward: the default loss (:func:`next_token_loss`), the KL divergence from the clean
+forward (:func:`kl_per_sample`), per sample in float64, and how the model is called by
+default (:func:`default_forward`, :func:`default_output`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = ["default_forward", "default_output", "kl_per_sample", "next_token_loss"]
+
+_CHUNK = 256  # positions turned into float64 [positions, vocab] at once
+
+
+def next_token_loss(logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: the sum of next-token cross-entropies (float64) and their number.
+
+    A batch with ``labels`` (a mapping): as Hugging Face's causal LM loss, position ``t``
+    predicts ``labels[t + 1]``, where it is not -100. Else ``batch["input_ids"]`` (or a batch
+    that is a ``[batch, seq]`` tensor of token ids): position ``t`` predicts token ``t + 1``,
+    counted where ``batch["attention_mask"]`` (if any) is 1 at both. For a batch ``(x, y)``
+    with ``logits`` of ``[batch, classes]``: the cross-entropy of ``y``, one term per sample.
+    Logits of other positions than the tokens' (a prefix of soft prompts) are refused.
+    """
+    tokens = isinstance(batch, torch.Tensor) and batch.dim() == 2 and not batch.is_floating_point()
+    if (tokens or (isinstance(batch, Mapping) and "input_ids" in batch)) and logits.dim() == 3:
+        ids = batch if tokens else batch["input_ids"]
+        mask = None if tokens else batch.get("attention_mask")
+        labels = None if tokens else batch.get("labels")
+        if labels is not None:
+            ids, mask = labels, None
+        if logits.shape[:2] != ids.shape[:2]:
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} for tokens of shape "
+                f"{tuple(ids.shape)}: the default loss needs one position per token; give "
+                "`output=` returning the tokens' logits, or `loss=` your own"
+            )
+        keep = torch.ones_like(ids[:, 1:], dtype=torch.bool)
+        if labels is not None:
+            keep = ids[:, 1:] != -100
+        elif mask is not None:
+            keep = keep & mask[:, 1:].bool() & mask[:, :-1].bool()
+        sums = torch.zeros(len(ids), dtype=torch.float64, device=logits.device)
+        for row in range(len(ids)):  # one sample at a time, [positions, vocab] in float64
+            for start in range(0, ids.shape[1] - 1, _CHUNK):
+                end = min(start + _CHUNK, ids.shape[1] - 1)
+                terms = torch.nn.functional.cross_entropy(
+                    logits[row, start:end].double(),
+                    ids[row, start + 1 : end + 1],
+                    reduction="none",
+                    ignore_index=-100,
+                )
+                sums[row] += terms[keep[row, start:end]].sum()
+        return sums, keep.sum(1).double()
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and logits.dim() == 2:
+        terms = torch.nn.functional.cross_entropy(logits.double(), batch[1], reduction="none")
+        return terms, torch.ones_like(terms)
+    raise ValueError(
+        f"no default loss for outputs of shape {tuple(logits.shape)} and a batch of type "
+        f"{type(batch).__name__}: the default is next-token cross-entropy for a batch with "
+        "`input_ids` (a mapping) or cross-entropy for a batch `(x, y)`; give "
+        "`loss=lambda logits, batch: ...` returning per-sample losses (or per-sample sums "
+        "and counts)"
+    )
+
+
+def kl_per_sample(
+    clean: torch.Tensor, variant: torch.Tensor, batch: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: the sum over positions of KL(clean || variant) of the softmax over the
+    last dimension (float64; a class the clean logits rule out, -inf, adds nothing), and the
+    number of positions (``attention_mask``'s ones)."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if mask is not None and clean.dim() == 3 and clean.shape[:2] != mask.shape[:2]:
+        raise ValueError(
+            f"logits of shape {tuple(clean.shape)} for an attention_mask of shape "
+            f"{tuple(mask.shape)}: KL is taken at the mask's positions; give `output=` "
+            "returning one position per token"
+        )
+    if mask is not None and clean.dim() != 3:
+        mask = None  # one distribution per sample: no positions to mask
+    sums = torch.zeros(len(clean), dtype=torch.float64, device=clean.device)
+    for row in range(len(clean)):
+        p_row, q_row = (
+            clean[row].reshape(-1, clean.shape[-1]),
+            variant[row].reshape(-1, clean.shape[-1]),
+        )
+        keep = mask[row].bool() if mask is not None else torch.ones(len(p_row), dtype=torch.bool)
+        for start in range(0, len(p_row), _CHUNK):  # [positions, vocab] in float64, in parts
+            p = torch.log_softmax(p_row[start : start + _CHUNK].double(), -1)
+            q = torch.log_softmax(q_row[start : start + _CHUNK].double(), -1)
+            kl = torch.where(torch.isneginf(p), 0.0, p.exp() * (p - q)).sum(-1)  # 0 log 0 = 0
+            sums[row] += kl[keep[start : start + _CHUNK].to(kl.device)].sum()
+    if mask is not None:
+        return sums, mask.sum(1).double()
+    return sums, torch.full_like(sums, float(clean[0].numel() // clean.shape[-1]))
+
+
+def default_forward(module: pl.LightningModule, batch: Any) -> Any:
+    """``module(**batch)`` for a mapping, ``module(batch[0])`` for ``(x, y)``, else
+    ``module(batch)``."""
+    if isinstance(batch, Mapping):
+        return module(**batch)
+    if isinstance(batch, (tuple, list)):
+        return module(batch[0])
+    return module(batch)
+
+
+def default_output(output: Any) -> torch.Tensor:
+    """An output's ``logits`` attribute, the output itself if a tensor, or its first value."""
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"the forward returned a {type(output).__name__}: give `output=`")
+    return output

@@ -17,8 +17,9 @@ repeating an index within a row-per-sample batch) have their indices read.
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "check_header",
     "first_commits",
     "holds_any",
+    "read_key",
     "stored_batches",
 ]
 
@@ -267,6 +269,26 @@ def holds_any(batch: StoredBatch, indices: IndexSet) -> bool:
     if progression is not None:
         return bool(indices.overlap(*progression).size)
     return bool(indices.contains(batch.read_indices().numpy()).any())
+
+
+def read_key(
+    batches: Sequence[StoredBatch], key: str
+) -> Iterator[tuple[StoredBatch, torch.Tensor, torch.Tensor]]:
+    """``(batch, indices, tensor)`` of each of ``batches`` (in commit order, all holding
+    ``key``): the dataset indices of the rows it reads, checked, and ``key`` whole; each
+    shard opened once."""
+    for source, group in itertools.groupby(batches, key=lambda b: b.source):
+        held = list(group)
+        names = [f"b{b.position}/{name}" for b in held for name in (INDEX_KEY, key)]
+        tensors = source.read(names)
+        for batch in held:
+            index = tensors[f"b{batch.position}/{INDEX_KEY}"]
+            tensor = tensors[f"b{batch.position}/{key}"]
+            batch.check_index(index)
+            rows = key in batch.per_batch or (tensor.dim() and len(tensor) == batch.rows)
+            if not rows:  # the header was checked: the file changed since
+                raise StoreError(f"shard {source} changed while it was read")
+            yield batch, batch.kept(index), tensor
 
 
 def check_header(

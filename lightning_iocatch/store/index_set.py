@@ -37,7 +37,7 @@ import numpy as np
 
 __all__ = ["IndexSet", "progression"]
 
-_PENDING = 256  # intervals added one by one before they are merged into the sorted arrays
+_PENDING = 32  # intervals added one by one before they are merged into the sorted arrays
 _LONG = 8  # a progression this long gets a group of its step and residue at once
 _STEPS = 64  # steps with groups at most; more asks of each query more work for nothing
 _RECENT = 4096  # short progressions remembered, to see whether the next one continues them
@@ -56,11 +56,11 @@ def progression(indices: np.ndarray) -> tuple[int, int, int] | None:
 
 class _Intervals:
     """Closed intervals ``[first, last]`` of integers, kept as a few levels of sorted,
-    disjoint, non-adjacent intervals, each level less than half the size of the one before
-    it (a log-structured merge): adding ``k`` intervals costs ``O(k log n)`` over time, not a
+    disjoint, non-adjacent intervals, each level less than a quarter of the one before it
+    (a log-structured merge): adding ``k`` intervals costs ``O(k log n)`` over time, not a
     merge of all ``n``, and a query asks each of the ``O(log n)`` levels. Intervals added one
     by one wait in a short list (merged at :data:`_PENDING`), which queries read as it is:
-    a batch at a time, adding and asking costs no array work."""
+    a batch at a time, adding and asking costs little array work."""
 
     def __init__(self) -> None:
         self._levels: list[tuple[np.ndarray, np.ndarray]] = []
@@ -86,7 +86,7 @@ class _Intervals:
 
     def _push(self, starts: np.ndarray, stops: np.ndarray) -> None:
         level = _normalize(starts, stops)
-        while self._levels and self._levels[-1][0].size <= 2 * level[0].size:
+        while self._levels and self._levels[-1][0].size <= 4 * level[0].size:
             before = self._levels.pop()
             level = _normalize(np.concatenate([before[0], level[0]]),
                                np.concatenate([before[1], level[1]]))  # fmt: skip

@@ -225,7 +225,7 @@ def first_commits(
     for batch in batches:
         without = np.asarray(batch.record.without_rows, dtype=np.int64)
         earlier = seen.contains(without) if without.size else np.zeros(0, dtype=bool)
-        progression = batch.summary.progression
+        progression = known_members(batch.summary)
         unique_rows = token_rows or batch.summary.samples == batch.rows
         keep = None
         if not batch.rows:
@@ -258,12 +258,21 @@ def first_commits(
     return read, seen, found
 
 
+def known_members(summary: IndexSummary) -> tuple[int, int, int] | None:
+    """``(start, step, count)`` of a batch's distinct indices where its summary tells them:
+    a progression in row order, or two samples in any order (its lowest and highest)."""
+    if summary.progression is None and summary.samples == 2 and summary.low is not None:
+        assert summary.high is not None
+        return summary.low, summary.high - summary.low, 2
+    return summary.progression
+
+
 def holds_any(batch: StoredBatch, indices: IndexSet) -> bool:
     """Whether ``batch`` stored any of ``indices`` (read only where its summary cannot tell)."""
     without = batch.record.without_rows
     if without and indices.contains(without).any():
         return True
-    progression = batch.summary.progression
+    progression = known_members(batch.summary)
     if not batch.rows:
         return False
     if progression is not None:

@@ -21,6 +21,7 @@ from lightning_iocatch import FeatureStore
 from lightning_iocatch.store import ShardWriter, prepare_store
 from lightning_iocatch.store import index_set as index_set_module
 from lightning_iocatch.store.index_set import IndexSet
+from lightning_iocatch.store.stored_batches import StoredBatch
 
 SETTINGS: dict[str, Any] = {"spec": None, "stage": "predict", "dtype": None, "tokens": None}
 SOURCE = index_set_module.__file__
@@ -151,3 +152,30 @@ def test_index_set_work_grows_linearly_whatever_the_pattern(
     small = operations.of(lambda: reader_work(PATTERNS[pattern](500)))
     large = operations.of(lambda: reader_work(PATTERNS[pattern](2000)))
     assert large / small < 5, f"4x the batches made {large / small:.1f}x the operations"
+
+
+def test_pairs_in_any_order_open_and_resume_from_their_records_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches = [[5, 3], [9, 1], [2, 4], [7, 0], [3, 8]]  # the writer drops the second 3
+    path = tmp_path / "store"
+    writer = ShardWriter(path, rank=0, plan=prepare_store(path, "create", SETTINGS))
+    for batch_idx, indices in enumerate(batches):
+        writer.write(
+            {"x": torch.tensor([[float(i)] for i in indices])}, indices, batch_idx=batch_idx
+        )
+    writer.close()
+    reads: list[int] = []
+    read_indices = StoredBatch.read_indices
+
+    def counted(batch: StoredBatch) -> torch.Tensor:
+        reads.append(batch.position)
+        return read_indices(batch)
+
+    monkeypatch.setattr(StoredBatch, "read_indices", counted)
+    store = FeatureStore(path)
+    plan = prepare_store(path, "resume", SETTINGS)
+    assert reads == []  # each batch's record tells its two samples, in either order
+    assert plan.committed[0].ranges().tolist() == [[0, 5], [7, 9]]
+    assert store.indices.tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9]  # the repeated 3 dropped
+    assert store["x"][:, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9]

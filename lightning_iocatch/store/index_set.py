@@ -6,9 +6,15 @@ An :class:`IndexSet` keeps, for each step ``s`` and residue ``r = i mod s`` it h
 the sorted, disjoint intervals of ``q = i // s``: a dump of 10^8 contiguous samples by 8
 processes is 8 intervals, whatever its size, and an index up to ``2**63 - 1`` costs what
 any other does. Indices that are no progression (a shuffled loader) are kept as runs of
-step 1. Membership, adding a batch, the union as ranges of step 1 (:meth:`ranges`) and the
-members of a progression already present (:meth:`overlap`) all work on intervals. Intervals
-are closed (``first, last``), so that ``2**63 - 1`` itself needs no bound past it.
+step 1, and so is a short progression of a step not seen before (a shuffled pair ``a, b``
+is a progression of step ``b - a``): it gets a group of its own only once the next
+batch of its step and residue continues it (a DDP share in batches of two), or when it is
+long. Groups are found by step and residue, never by a scan of all of them, and there are
+at most :data:`_STEPS` steps: adding a batch and asking about one cost ``O(log n)`` per
+index, whatever the batches' pattern. Membership, adding a batch, the union as ranges of
+step 1 (:meth:`ranges`) and the members of a progression already present
+(:meth:`overlap`) all work on intervals. Intervals are closed (``first, last``), so that
+``2**63 - 1`` itself needs no bound past it.
 
 Examples:
     >>> seen = IndexSet()
@@ -23,6 +29,7 @@ Examples:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,7 +37,10 @@ import numpy as np
 
 __all__ = ["IndexSet", "progression"]
 
-_PENDING = 256  # intervals added one by one before they are merged into the sorted arrays
+_PENDING = 32  # intervals added one by one before they are merged into the sorted arrays
+_LONG = 8  # a progression this long gets a group of its step and residue at once
+_STEPS = 64  # steps with groups at most; more asks of each query more work for nothing
+_RECENT = 4096  # short progressions remembered, to see whether the next one continues them
 
 
 def progression(indices: np.ndarray) -> tuple[int, int, int] | None:
@@ -46,11 +56,11 @@ def progression(indices: np.ndarray) -> tuple[int, int, int] | None:
 
 class _Intervals:
     """Closed intervals ``[first, last]`` of integers, kept as a few levels of sorted,
-    disjoint, non-adjacent intervals, each level less than half the size of the one before
-    it (a log-structured merge): adding ``k`` intervals costs ``O(k log n)`` over time, not a
+    disjoint, non-adjacent intervals, each level less than a quarter of the one before it
+    (a log-structured merge): adding ``k`` intervals costs ``O(k log n)`` over time, not a
     merge of all ``n``, and a query asks each of the ``O(log n)`` levels. Intervals added one
     by one wait in a short list (merged at :data:`_PENDING`), which queries read as it is:
-    a batch at a time, adding and asking costs no array work."""
+    a batch at a time, adding and asking costs little array work."""
 
     def __init__(self) -> None:
         self._levels: list[tuple[np.ndarray, np.ndarray]] = []
@@ -76,7 +86,7 @@ class _Intervals:
 
     def _push(self, starts: np.ndarray, stops: np.ndarray) -> None:
         level = _normalize(starts, stops)
-        while self._levels and self._levels[-1][0].size <= 2 * level[0].size:
+        while self._levels and self._levels[-1][0].size <= 4 * level[0].size:
             before = self._levels.pop()
             level = _normalize(np.concatenate([before[0], level[0]]),
                                np.concatenate([before[1], level[1]]))  # fmt: skip
@@ -95,6 +105,8 @@ class _Intervals:
 
     def contains(self, values: np.ndarray) -> np.ndarray:
         found = np.zeros(values.shape, dtype=bool)
+        if len(self._pending) * values.size > 4 * _PENDING:  # a long query: arrays first
+            self._flush()
         if self._pending:
             pending = np.array(self._pending, dtype=np.int64)
             inside = (values[..., None] >= pending[:, 0]) & (values[..., None] <= pending[:, 1])
@@ -151,20 +163,49 @@ class IndexSet:
     """Non-negative dataset indices (see the module docstring). Pickles compactly."""
 
     def __init__(self) -> None:
-        self._groups: dict[tuple[int, int], _Intervals] = {}  # (step, residue) -> q-intervals
+        # step -> residue -> q-intervals; step 1 (residue 0) holds runs of step 1
+        self._groups: dict[int, dict[int, _Intervals]] = {}
+        self._spans: dict[int, tuple[int, int]] = {}  # step -> lowest, highest index covered
+        # (step, residue) -> q-interval of the last short progression kept as runs of step 1
+        self._recent: OrderedDict[tuple[int, int], tuple[int, int]] = OrderedDict()
 
-    def _group(self, step: int, residue: int) -> _Intervals:
-        if (step, residue) not in self._groups:
-            self._groups[(step, residue)] = _Intervals()
-        return self._groups[(step, residue)]
+    def _group(self, step: int, residue: int, low: int, high: int) -> _Intervals:
+        """The group of ``(step, residue)`` (made if new), its step's span grown to hold
+        ``low .. high``."""
+        span = self._spans.get(step)
+        self._spans[step] = (low, high) if span is None else (min(span[0], low), max(span[1], high))
+        residues = self._groups.setdefault(step, {})
+        if residue not in residues:
+            residues[residue] = _Intervals()
+        return residues[residue]
 
     def add_progression(self, start: int, step: int, count: int) -> None:
         """Add ``start, start + step, ..., start + (count - 1) * step``."""
         if count <= 0:
             return
         step = 1 if count == 1 else step
-        quotient = start // step
-        self._group(step, start % step).add(quotient, quotient + count - 1)
+        high = start + step * (count - 1)
+        first, residue = divmod(start, step)
+        last = first + count - 1
+        if step == 1 or residue in self._groups.get(step, ()):
+            self._group(step, residue, start, high).add(first, last)
+            return
+        before = self._recent.pop((step, residue), None)
+        continued = before is not None and (before[1] + 1 == first or last + 1 == before[0])
+        room = step in self._groups or len(self._groups) <= _STEPS
+        if room and (count >= _LONG or continued):
+            if before is not None and continued:  # its runs of step 1 stay where they are
+                first, last = min(first, before[0]), max(last, before[1])
+            self._group(step, residue, first * step + residue, last * step + residue).add(
+                first, last
+            )
+            return
+        units = self._group(1, 0, start, high)
+        for value in range(start, high + 1, step):
+            units.add(value, value)
+        self._recent[(step, residue)] = (first, last)
+        if len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
 
     def add(self, indices: Iterable[int] | np.ndarray) -> None:
         """Add ``indices`` (any order, repeats allowed)."""
@@ -179,17 +220,23 @@ class IndexSet:
         breaks = np.flatnonzero(np.diff(values) != 1) + 1  # runs of step 1
         firsts = values[np.concatenate([[0], breaks])]
         lasts = values[np.concatenate([breaks - 1, [values.size - 1]])]
-        self._group(1, 0).add_many(firsts, lasts)
+        units = self._group(1, 0, int(values[0]), int(values[-1]))
+        if firsts.size > _LONG:
+            units.add_many(firsts, lasts)
+            return
+        for first, last in zip(firsts.tolist(), lasts.tolist(), strict=True):
+            units.add(first, last)
 
     def contains(self, indices: Iterable[int] | np.ndarray) -> np.ndarray:
         """For each index, whether the set holds it."""
         values = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices),
                             dtype=np.int64)  # fmt: skip
         found = np.zeros(values.shape, dtype=bool)
-        for (step, residue), intervals in self._groups.items():
-            mine = (values % step == residue) & ~found
+        for step, residues in self._groups.items():
+            low, high = self._spans[step]
+            mine = ~found & (values >= low) & (values <= high)
             if mine.any():
-                found[mine] = intervals.contains(values[mine] // step)
+                found[mine] = _held(residues, step, values[mine])
         return found
 
     def __contains__(self, index: object) -> bool:
@@ -197,27 +244,29 @@ class IndexSet:
 
     def overlap(self, start: int, step: int, count: int) -> np.ndarray:
         """The members of the progression ``start, start + step, ...`` (``count`` of them)
-        already in the set, ascending; work bounded by the parts it overlaps."""
+        already in the set, ascending; work bounded by ``count`` per step held, and by the
+        parts it overlaps in the group of its own step and residue."""
         if count <= 0:
             return np.empty(0, dtype=np.int64)
         step = 1 if count == 1 else step
         high = start + step * (count - 1)
         found: list[np.ndarray] = []
-        for (s, r), intervals in self._groups.items():
-            span = intervals.span()
-            if span is None or span[1] * s + r < start or span[0] * s + r > high:
+        for s, residues in self._groups.items():
+            low_s, high_s = self._spans[s]
+            if high_s < start or low_s > high:
                 continue
-            if s == step and r == start % step:  # the same progression: in its q-space
+            if s == step:  # the same progression: in its q-space, its one group
+                intervals = residues.get(start % step)
                 q0 = start // step
-                for a, b in intervals.overlap(q0, q0 + count - 1):
-                    found.append(np.arange(a, b + 1, dtype=np.int64) * step + r)
+                for a, b in intervals.overlap(q0, q0 + count - 1) if intervals else ():
+                    found.append(np.arange(a, b + 1, dtype=np.int64) * step + start % step)
                 continue
-            low = max(start, span[0] * s + r)  # another progression: test its members
+            low = max(start, low_s)  # another step: test its members within the span
             first = start + -(-(low - start) // step) * step
-            last = min(high, span[1] * s + r)
+            last = min(high, high_s)
             if first <= last:
                 members = np.arange(first, last + 1, step, dtype=np.int64)
-                found.append(members[intervals_contains(intervals, members, s, r)])
+                found.append(members[_held(residues, s, members)])
         if not found:
             return np.empty(0, dtype=np.int64)
         return np.unique(np.concatenate(found))
@@ -227,8 +276,8 @@ class IndexSet:
         ``(n, 2)`` int64 array."""
         starts: list[np.ndarray] = []
         stops: list[np.ndarray] = []
-        for step in sorted({s for s, _ in self._groups}):
-            residues = {r: self._groups[(s, r)] for s, r in self._groups if s == step}
+        for step in sorted(self._groups):
+            residues = self._groups[step]
             full = _common(list(residues.values())) if len(residues) == step else None
             for residue, intervals in residues.items():
                 rest = intervals.merged()
@@ -252,32 +301,47 @@ class IndexSet:
         return np.stack(_normalize(np.concatenate(starts), np.concatenate(stops)), axis=1)
 
     def __len__(self) -> int:
-        bounds = self.ranges()
-        return int((bounds[:, 1] - bounds[:, 0] + 1).sum())
+        bounds = self.ranges()  # a run's length less one fits int64 even up to 2**63 - 1
+        return int((bounds[:, 1] - bounds[:, 0]).sum()) + len(bounds)
 
     def __bool__(self) -> bool:
-        return any(intervals.span() is not None for intervals in self._groups.values())
+        return bool(self._spans)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"groups": {key: group.merged() for key, group in self._groups.items()}}
+        return {
+            "groups": {
+                (step, residue): group.merged()
+                for step, residues in self._groups.items()
+                for residue, group in residues.items()
+            }
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._groups = {}
-        for key, (starts, stops) in state["groups"].items():
-            self._group(*key).add_many(starts, stops)
+        self.__init__()  # type: ignore[misc]
+        for (step, residue), (starts, stops) in state["groups"].items():
+            if starts.size:
+                low, high = int(starts[0]) * step + residue, int(stops.max()) * step + residue
+                self._group(step, residue, low, high).add_many(starts, stops)
 
     def __repr__(self) -> str:
-        runs = sum(group.runs() for group in self._groups.values())
+        runs = sum(
+            group.runs() for residues in self._groups.values() for group in residues.values()
+        )
         return f"IndexSet({len(self)} indices in {runs} runs)"
 
 
-def intervals_contains(
-    intervals: _Intervals, values: np.ndarray, step: int, residue: int
-) -> np.ndarray:
-    """Whether each of ``values`` is ``residue + q * step`` for a ``q`` the intervals hold."""
-    mine = values % step == residue
+def _held(residues: dict[int, _Intervals], step: int, values: np.ndarray) -> np.ndarray:
+    """Whether each of ``values`` is ``r + q * step`` for a group ``r`` of ``residues``
+    holding ``q``: one lookup per residue the values have, none per group."""
+    if step == 1:
+        return residues[0].contains(values)
     found = np.zeros(values.shape, dtype=bool)
-    found[mine] = intervals.contains(values[mine] // step)
+    quotients, remainders = np.divmod(values, step)
+    for residue in np.unique(remainders).tolist():
+        group = residues.get(residue)
+        if group is not None:
+            mine = remainders == residue
+            found[mine] = group.contains(quotients[mine])
     return found
 
 

@@ -10,26 +10,25 @@ only the store's own files inside its place are read (see :mod:`lightning_iocatc
 
 from __future__ import annotations
 
-import itertools
 import os
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.location import open_backend
-from lightning_iocatch.store.index_set import IndexSet
-from lightning_iocatch.store.names import INDEX_KEY, POSITION_KEY
+from lightning_iocatch.store.coverage import gaps, listed, refuse_duplicates, sample_array
+from lightning_iocatch.store.names import POSITION_KEY
 from lightning_iocatch.store.progress import progress_bar, show_progress
 from lightning_iocatch.store.sample_rows import RowLookup, SampleRows, as_indices
 from lightning_iocatch.store.stored_batches import (
     CommittedShard,
     StoredBatch,
     first_commits,
-    holds_any,
+    read_key,
     stored_batches,
 )
 from lightning_iocatch.suggest import close_names
@@ -38,7 +37,6 @@ __all__ = ["FeatureStore"]
 
 OnDuplicate = Literal["error", "first"]
 """What a reader does with a sample stored twice: refuse the store, or keep its first commit."""
-_MAX_LISTED = 10_000_000  # missing indices listed one by one
 _ON_DUPLICATE = ("error", "first")
 
 
@@ -139,7 +137,7 @@ class FeatureStore:
         self._lookups: dict[str, RowLookup] = {}
         self._batches, self._samples, duplicated = first_commits(stored, token_rows=token_rows)
         if duplicated.size and on_duplicate == "error":
-            self._refuse_duplicates(stored, duplicated)
+            refuse_duplicates(self.path, stored, duplicated)
         self._duplicated = duplicated
         self._rows = sum(batch.kept_rows for batch in self._batches)
         self._dtypes: dict[str, set[str]] = {}
@@ -147,19 +145,6 @@ class FeatureStore:
             for key in batch.keys:
                 self._dtypes.setdefault(key, set()).add(batch.dtype(key))
         self._sorted_indices: torch.Tensor | None = None
-
-    def _refuse_duplicates(self, batches: list[StoredBatch], duplicated: np.ndarray) -> None:
-        twice = IndexSet()
-        twice.add(duplicated)
-        shards = sorted({batch.source.name for batch in batches if holds_any(batch, twice)})
-        raise StoreError(
-            f"{self.path} holds {duplicated.size} dataset indices more than once, e.g. "
-            f"{duplicated[:10].tolist()} (in {', '.join(shards[:4])}"
-            f"{', ...' if len(shards) > 4 else ''}); open it with "
-            "FeatureStore(..., on_duplicate='first') to read each index from its first "
-            "commit (StoreRows and export_dataset take it too; `lightning-iocatch export "
-            "--on-duplicate first`), or `lightning-iocatch inspect` it"
-        )
 
     # What is stored
 
@@ -173,20 +158,15 @@ class FeatureStore:
         ``skipped``: keys the writer did not store, with the reason. Also ``shards``,
         ``ranks``, ``bytes`` (of every dataloader), ``dataloaders`` and ``rows``.
         """
-        skipped: dict[str, str] = {}
-        for record in self._records:
-            skipped.update(record.skipped)
+        skipped = {key: why for record in self._records for key, why in record.skipped.items()}
+        per_batch = Counter(key for batch in self._batches for key in batch.per_batch)
         return {
             **self._info,
             "keys": {
                 key: {"dtype": "|".join(sorted(self._dtypes[key])), "shape": self._shape(key)}
                 for key in self.keys()
             },
-            "per_batch": {
-                key: sum(key in b.per_batch for b in self._batches)
-                for key in self.keys()
-                if any(key in b.per_batch for b in self._batches)
-            },
+            "per_batch": dict(sorted(per_batch.items())),
             "skipped": skipped,
             "shards": [record.file for record in self._records],
             "ranks": sorted({record.rank for record in self._records}),
@@ -249,15 +229,7 @@ class FeatureStore:
 
         Example: a store of indices 0..4 and 8 has ``missing_ranges(10) == [(5, 8), (9, 10)]``.
         """
-        if expected is not None and (type(expected) is not int or expected < 0):
-            raise ValueError(f"`expected` must be a non-negative int or None, got {expected!r}")
-        present = self._samples.ranges()  # closed [first, last], ascending, not adjacent
-        firsts, lasts = present[:, 0].tolist(), present[:, 1].tolist()
-        stop = expected if expected is not None else lasts[-1] + 1 if lasts else 0
-        starts = [0, *(last + 1 for last in lasts)]  # a gap starts after each run
-        ends = [*firsts, stop]
-        gaps = [(a, min(b, stop)) for a, b in zip(starts, ends, strict=True) if a < min(b, stop)]
-        return gaps if limit is None else gaps[:limit]
+        return gaps(self._samples, expected, limit)
 
     def missing_count(self, expected: int | None = None) -> int:
         """How many indices :meth:`missing_ranges` holds."""
@@ -266,14 +238,7 @@ class FeatureStore:
     def missing_indices(self, expected: int | None = None) -> list[int]:
         """Indices absent from ``range(expected)`` (default: up to the largest index present),
         one by one; more than ten million are refused: :meth:`missing_ranges` lists them."""
-        ranges = self.missing_ranges(expected)
-        count = sum(stop - start for start, stop in ranges)
-        if count > _MAX_LISTED:
-            raise StoreError(
-                f"{count} dataset indices are missing from {self.path}, too many to list one by "
-                "one; store.missing_ranges() gives them as ranges"
-            )
-        return [index for start, stop in ranges for index in range(start, stop)]
+        return listed(self.missing_ranges(expected), self.path)
 
     @property
     def sample_count(self) -> int:
@@ -285,10 +250,7 @@ class FeatureStore:
         """The dataset indices of every stored sample, ascending, each once (also those of
         token rows that have no row: no selected token). Made on each call, one int64 per
         sample: :attr:`sample_count` and :meth:`missing_ranges` need no such array."""
-        runs = self._samples.ranges()
-        if not len(runs):
-            return torch.empty(0, dtype=torch.int64)
-        return torch.cat([torch.arange(a, b + 1) for a, b in runs.tolist()])
+        return sample_array(self._samples)
 
     # Reading
 
@@ -302,22 +264,6 @@ class FeatureStore:
 
     def _holders(self, key: str) -> list[StoredBatch]:
         return [batch for batch in self._batches if key in batch.keys]
-
-    def _stored(self, key: str) -> Iterator[tuple[StoredBatch, torch.Tensor, torch.Tensor]]:
-        """``(batch, indices, tensor)`` of every batch holding ``key``, in commit order:
-        the dataset indices of the rows it reads, and ``key`` whole; each shard opened once."""
-        for source, group in itertools.groupby(self._holders(key), key=lambda b: b.source):
-            batches = list(group)
-            names = [f"b{b.position}/{name}" for b in batches for name in (INDEX_KEY, key)]
-            tensors = source.read(names)
-            for batch in batches:
-                index = tensors[f"b{batch.position}/{INDEX_KEY}"]
-                tensor = tensors[f"b{batch.position}/{key}"]
-                batch.check_index(index)
-                rows = key in batch.per_batch or (tensor.dim() and len(tensor) == batch.rows)
-                if not rows:  # the header was checked: the file changed since
-                    raise StoreError(f"shard {source} changed while it was read")
-                yield batch, batch.kept(index), tensor
 
     def indices_of(self, key: str) -> torch.Tensor:
         """The ascending dataset indices of the rows that hold ``key`` (reads their
@@ -334,7 +280,7 @@ class FeatureStore:
         and ``dataset_indices`` its samples, each once (also in a store of token rows).
         """
         self._check_key(key)
-        for batch, indices, tensor in self._stored(key):
+        for batch, indices, tensor in read_key(self._holders(key), key):
             if not indices.numel():
                 continue
             if key in batch.per_batch:  # the batch's samples, once each (also for token rows)
@@ -370,7 +316,7 @@ class FeatureStore:
         self._check_key(key)
         self._refuse_unless_rows(key)
         indices, parts = [], []
-        for batch, kept, tensor in self._stored(key):
+        for batch, kept, tensor in read_key(self._holders(key), key):
             indices.append(kept)
             parts.append(batch.kept(tensor))
         every = torch.cat(indices)
@@ -412,7 +358,7 @@ class FeatureStore:
         self._check_key(key)
         self._refuse_unless_rows(key)
         total, count = torch.zeros(self._shape(key) or (), dtype=torch.float64), 0
-        for batch, _, tensor in self._stored(key):
+        for batch, _, tensor in read_key(self._holders(key), key):
             rows = batch.kept(tensor)
             total += rows.to(torch.float64).sum(0)
             count += len(rows)

@@ -17,8 +17,9 @@ repeating an index within a row-per-sample batch) have their indices read.
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "check_header",
     "first_commits",
     "holds_any",
+    "read_key",
     "stored_batches",
 ]
 
@@ -223,7 +225,7 @@ def first_commits(
     for batch in batches:
         without = np.asarray(batch.record.without_rows, dtype=np.int64)
         earlier = seen.contains(without) if without.size else np.zeros(0, dtype=bool)
-        progression = batch.summary.progression
+        progression = known_members(batch.summary)
         unique_rows = token_rows or batch.summary.samples == batch.rows
         keep = None
         if not batch.rows:
@@ -256,17 +258,46 @@ def first_commits(
     return read, seen, found
 
 
+def known_members(summary: IndexSummary) -> tuple[int, int, int] | None:
+    """``(start, step, count)`` of a batch's distinct indices where its summary tells them:
+    a progression in row order, or two samples in any order (its lowest and highest)."""
+    if summary.progression is None and summary.samples == 2 and summary.low is not None:
+        assert summary.high is not None
+        return summary.low, summary.high - summary.low, 2
+    return summary.progression
+
+
 def holds_any(batch: StoredBatch, indices: IndexSet) -> bool:
     """Whether ``batch`` stored any of ``indices`` (read only where its summary cannot tell)."""
     without = batch.record.without_rows
     if without and indices.contains(without).any():
         return True
-    progression = batch.summary.progression
+    progression = known_members(batch.summary)
     if not batch.rows:
         return False
     if progression is not None:
         return bool(indices.overlap(*progression).size)
     return bool(indices.contains(batch.read_indices().numpy()).any())
+
+
+def read_key(
+    batches: Sequence[StoredBatch], key: str
+) -> Iterator[tuple[StoredBatch, torch.Tensor, torch.Tensor]]:
+    """``(batch, indices, tensor)`` of each of ``batches`` (in commit order, all holding
+    ``key``): the dataset indices of the rows it reads, checked, and ``key`` whole; each
+    shard opened once."""
+    for source, group in itertools.groupby(batches, key=lambda b: b.source):
+        held = list(group)
+        names = [f"b{b.position}/{name}" for b in held for name in (INDEX_KEY, key)]
+        tensors = source.read(names)
+        for batch in held:
+            index = tensors[f"b{batch.position}/{INDEX_KEY}"]
+            tensor = tensors[f"b{batch.position}/{key}"]
+            batch.check_index(index)
+            rows = key in batch.per_batch or (tensor.dim() and len(tensor) == batch.rows)
+            if not rows:  # the header was checked: the file changed since
+                raise StoreError(f"shard {source} changed while it was read")
+            yield batch, batch.kept(index), tensor
 
 
 def check_header(

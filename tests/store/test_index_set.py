@@ -85,3 +85,78 @@ def test_shuffled_batches_are_merged_as_they_fill_in() -> None:
         seen.add(batch)
     assert seen.ranges().tolist() == [[0, 199_999]]
     assert repr(seen) == "IndexSet(200000 indices in 1 runs)"
+
+
+def pattern_batches(kind: str, rng: random.Random, count: int, base: int) -> list[list[int]]:
+    """Batches as loaders make them: shuffled pairs and triples, random sparse ids, strided
+    DDP shares in pairs, long progressions of many steps, and all of them mixed."""
+    width = 3 * count
+    order = list(range(base, base + width))
+    rng.shuffle(order)
+    if kind in ("pairs", "triples"):
+        size = 2 if kind == "pairs" else 3
+        return [order[i : i + size] for i in range(0, count * size, size)]
+    if kind == "sparse":
+        return [[base + rng.randrange(width * 50) for _ in range(rng.randrange(1, 6))]
+                for _ in range(count)]  # fmt: skip
+    if kind == "strided":  # ranks of a world of 3, batches of two, some batches lost
+        world = 3
+        share = [base + rank + world * i for rank in range(world) for i in range(0, count, 2)]
+        return [share[i : i + 2] for i in range(0, len(share), 2) if rng.random() < 0.9]
+    if kind == "steps":  # progressions of 8 to 12 members, of more steps than get groups
+        return [list(range(base + rng.randrange(width), base + 4 * width, rng.randrange(2, 300)))
+                [: rng.randrange(8, 13)] for _ in range(count)]  # fmt: skip
+    kinds = ["pairs", "triples", "sparse", "strided", "steps"]
+    parts = [pattern_batches(k, rng, count, base) for k in kinds]
+    return [part[i] for i in range(count) for part in parts if i < len(part)]
+
+
+@pytest.mark.parametrize("base", [0, TOP - 10**6])
+@pytest.mark.parametrize("kind", ["pairs", "triples", "sparse", "strided", "steps", "mixed"])
+def test_an_index_set_of_any_batch_pattern_holds_what_a_python_set_holds(
+    kind: str, base: int
+) -> None:
+    rng = random.Random(f"{kind}{base}")
+    seen, truth = IndexSet(), set()
+    for batch in pattern_batches(kind, rng, 80 if kind == "mixed" else 250, base):
+        batch = [value for value in batch if value <= TOP]
+        if not batch:
+            continue
+        probe = batch + [base + rng.randrange(1200) for _ in range(4)]
+        probe = [value for value in probe if value <= TOP]
+        assert seen.contains(probe).tolist() == [value in truth for value in probe]
+        values = sorted(set(batch))
+        step = values[1] - values[0] if len(values) > 1 else 1
+        count = min(len(values) + 2, (TOP - values[0]) // step + 1)
+        members = {values[0] + i * step for i in range(count)}
+        assert seen.overlap(values[0], step, count).tolist() == sorted(members & truth)
+        seen.add(batch)
+        truth.update(batch)
+    assert seen.ranges().tolist() == ranges_of(truth)
+    assert len(seen) == len(truth) and bool(seen)
+    copy = pickle.loads(pickle.dumps(seen))
+    assert copy.ranges().tolist() == ranges_of(truth)
+    assert copy.contains(sorted(truth)).all()
+
+
+def test_a_ddp_share_in_pairs_is_a_few_runs_and_shuffled_pairs_make_no_groups() -> None:
+    share = IndexSet()
+    for start in range(0, 4 * 10**5, 4):  # rank 0 of 2 in batches of two: 0, 2 | 4, 6 | ...
+        share.add([start, start + 2])
+    assert len(share) == 2 * 10**5 and 399_998 in share and 399_999 not in share
+    assert len(pickle.dumps(share)) < 2000  # what a resume broadcasts
+    pairs = IndexSet()
+    order = np.random.default_rng(0).permutation(20_000)
+    for i in range(0, order.size, 2):
+        pairs.add(order[i : i + 2])
+    assert pairs.ranges().tolist() == [[0, 19_999]]
+    assert len(pickle.dumps(pairs)) < 4000  # no group left per pair
+
+
+def test_the_largest_index_counts_and_spans_without_overflow() -> None:
+    seen = IndexSet()
+    seen.add_progression(TOP - 4, 1, 5)
+    seen.add([TOP - 10, TOP - 8])
+    assert len(seen) == 7
+    assert seen.overlap(TOP - 10, 1, 11).tolist() == [TOP - 10, TOP - 8, *range(TOP - 4, TOP + 1)]
+    assert seen.ranges().tolist() == [[TOP - 10, TOP - 10], [TOP - 8, TOP - 8], [TOP - 4, TOP]]

@@ -37,9 +37,7 @@ import torch
 from common import run_facts, spread
 
 SETTINGS: dict[str, Any] = {"spec": None, "stage": "predict", "dtype": None, "tokens": None}
-SHARD_BYTES = (
-    16 << 10
-)  # about 900 batches a shard: ShardWriter checks dtypes over a shard's batches per batch
+SHARD_BYTES = 16 << 10  # about 900 batches a shard: many shards, as a long dump has
 
 
 def pairs(batches: int, seed: int, size: int = 2) -> list[list[int]]:

@@ -288,6 +288,7 @@ class ShardWriter:
 
     def _run(self) -> None:
         pending: list[SelectedBatch] = []
+        dtypes: dict[str, torch.dtype] = {}  # the pending batches' keys, kept as they come
         shards = ShardsInFlight(self.shards_in_flight, f"iocatch-upload-r{self.rank}")
         try:
             size = 0
@@ -297,15 +298,16 @@ class ShardWriter:
                     break
                 if self._cancel.is_set() or not isinstance(item, SelectedBatch):
                     continue
-                if pending and self._dtype_changes(pending, item):
+                if pending and _dtype_changes(dtypes, item):
                     shards.write(self._write_shard(pending))
-                    pending, size = [], 0
+                    pending, size, dtypes = [], 0, {}
                 pending.append(item)
+                dtypes.update((key, t.dtype) for key, t in item.tensors.items())
                 size += item.nbytes
                 del item  # only ``pending`` holds the batch from here
                 if size >= self.max_shard_bytes:
                     shards.write(self._write_shard(pending))
-                    pending, size = [], 0
+                    pending, size, dtypes = [], 0, {}
             if pending and not self._cancel.is_set():
                 shards.write(self._write_shard(pending))
             pending = []
@@ -325,12 +327,6 @@ class ShardWriter:
                 while True:
                     self._queue.get_nowait()
             self._done.set()
-
-    @staticmethod
-    def _dtype_changes(pending: list[SelectedBatch], item: SelectedBatch) -> bool:
-        """A key whose dtype differs from the pending batches': its shard must close first."""
-        dtypes = {key: tensor.dtype for batch in pending for key, tensor in batch.tensors.items()}
-        return any(dtypes.get(key, t.dtype) != t.dtype for key, t in item.tensors.items())
 
     def _write_shard(self, batches: list[SelectedBatch]) -> Callable[[], None]:
         """The shard's sequence number, now; its writing, then its record (the commit point,
@@ -404,3 +400,10 @@ def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBat
         per_batch=tuple(sorted(set().union(*(batch.per_batch for batch in batches)))),
         skipped=skipped,
     )
+
+
+def _dtype_changes(dtypes: dict[str, torch.dtype], item: SelectedBatch) -> bool:
+    """A key whose dtype differs from the pending batches' (``dtypes``, kept as batches
+    join rather than rebuilt from them each batch: tiny batches made that quadratic in a
+    shard): its shard must close first."""
+    return any(dtypes.get(key, t.dtype) != t.dtype for key, t in item.tensors.items())

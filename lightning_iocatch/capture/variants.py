@@ -246,9 +246,13 @@ class Variants:
         replayed: list[Call],
     ) -> Any:
         session = self.catcher(edits=self.variants[name])
-        with Replaying(replayed, self._fell_back, self._noted), session:
-            session.set_batch_indices(indices)
-            return forward()
+        try:
+            with Replaying(replayed, self._fell_back, self._noted), session:
+                session.set_batch_indices(indices)
+                return forward()
+        except (ValueError, TypeError, RuntimeError) as error:  # say which variant failed
+            error.add_note(f"in variant {name!r} of Variants({', '.join(self.variants)})")
+            raise
 
     def _why_not_shared(self) -> str | None:
         training = [name for name, m in self.catcher.model.named_modules() if m.training]

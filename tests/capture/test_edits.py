@@ -337,5 +337,6 @@ def test_a_mean_or_vector_of_the_wrong_shape_names_the_edit_and_both_shapes(
     with pytest.raises(ValueError, match=expected), ModelIOCatcher(net, "cpu")(edits=[edit]):
         net(torch.randn(3, 2))
     variants = Variants(ModelIOCatcher(net, "cpu"), {"fine": [Zero("1")], "wrong": [edit]})
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(ValueError, match=expected) as raised:
         variants(lambda: net(torch.randn(3, 2)))
+    assert raised.value.__notes__ == ["in variant 'wrong' of Variants(fine, wrong)"]

@@ -110,6 +110,10 @@ class LanguageModel(pl.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         return self.model(**batch)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
 
 def digits(n: int, seed: int) -> DataLoader:
     generator = torch.Generator().manual_seed(seed)

@@ -47,8 +47,9 @@ class ProbeSink(CaptureSink):
     position; a :class:`~lightning_iocatch.TokenRows` the tokens it keeps (``drop_first``,
     ``drop_token_ids``, ``mask=``: the rows a dump stores); a function ``tokens(batch)``
     giving a ``(batch, seq)`` mask. The mask is computed once per batch and applies to
-    every captured tensor whose first two dimensions are its shape; other tensors are
-    counted whole. A sample without a real token is left out of every probe.
+    every captured tensor of at least three dimensions whose first two are its shape
+    (:func:`~lightning_iocatch.probes.base.masked_by`); other tensors are counted whole. A
+    sample without a real token is left out of every probe.
     A key whose floating tensor lacked the batch dimension in any batch of any process
     is not probed at all that epoch.
 

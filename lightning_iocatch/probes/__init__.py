@@ -14,7 +14,8 @@ padding that repeats a sample seen elsewhere, and the batch's bool ``(batch, seq
 of real tokens (``ProbeSink`` passes the batch's ``attention_mask`` by default; see its
 ``tokens``); ``compute()`` returns a dict of named scalars.
 
-Real tokens: a tensor whose first two dimensions are the mask's ``(batch, seq)`` counts
+Real tokens: a tensor of at least three dimensions whose first two are the mask's
+``(batch, seq)`` (hidden states; a ``(batch, d)`` tensor is one vector per sample) counts
 only the real tokens' values (:class:`ActivationStats`), and is pooled over them
 (:func:`pool_features`: ``"mean"`` over each sample's real tokens, ``"last"`` its last
 real token under right or left padding); other tensors are counted whole. A sample

@@ -13,6 +13,15 @@ from torchmetrics import Metric
 
 from lightning_iocatch.token_mask import masks
 
+
+def masked_by(features: Tensor, tokens: Tensor | None) -> bool:
+    """Whether a probe applies the real-token mask ``tokens`` to ``features``: a tensor of
+    at least three dimensions whose first two are the mask's ``(batch, seq)``. A
+    ``(batch, d)`` tensor is one vector per sample (a pooled output, a head's logits), as
+    :func:`pool_features` reads it, even where ``d`` happens to equal ``seq``."""
+    return features.dim() >= 3 and masks(features, tokens)
+
+
 POOLS = ("mean", "last", "flatten")
 """How a probe makes one vector per sample of a ``[batch, seq, ...]`` tensor."""
 
@@ -40,9 +49,9 @@ def pool_features(features: Tensor, pool: str, tokens: Tensor | None = None) -> 
 
     ``"mean"`` averages over every dimension between the first and the last, ``"last"``
     takes the last position of dim 1, ``"flatten"`` keeps everything. With a bool
-    ``(B, seq)`` mask of real tokens ``tokens`` that applies (the first two dimensions of
-    ``features`` are its shape), ``"mean"`` averages over each sample's real tokens only,
-    ``"last"`` takes each sample's last real token (right or left padding alike) and
+    ``(B, seq)`` mask of real tokens ``tokens`` that applies (:func:`masked_by`: at least
+    three dimensions, the first two the mask's), ``"mean"`` averages over each sample's
+    real tokens only, ``"last"`` takes each sample's last real token (right or left padding alike) and
     ``"flatten"`` zeroes the padding positions; a sample without a real token gets NaN
     (probes leave such samples out before pooling).
 
@@ -54,7 +63,7 @@ def pool_features(features: Tensor, pool: str, tokens: Tensor | None = None) -> 
         >>> pool_features(x, "mean", real).flatten().tolist(), pool_features(x, "last", real).flatten().tolist()
         ([0.5, 4.5], [1.0, 5.0])
     """  # noqa: E501
-    if masks(features, tokens):
+    if masked_by(features, tokens):
         assert tokens is not None
         return _pool_real(features, pool, tokens.to(features.device))
     if features.dim() == 1:
@@ -152,7 +161,7 @@ def _rows(
     tokens = _checked_tokens(tokens, values.shape[0])
     tokens = None if tokens is None else tokens.to(values.device)
     keep = _kept(repeated, values.shape[0], values.device, tokens)
-    applied = tokens if masks(values, tokens) else None
+    applied = tokens if masked_by(values, tokens) else None
     if keep is None:
         return values, applied
     return values[keep], None if applied is None else applied[keep]

@@ -18,10 +18,10 @@ from lightning_iocatch.probes.base import (
     _kept,
     _ProbeMetric,
     _samples,
+    masked_by,
     pool_features,
     usable,
 )
-from lightning_iocatch.token_mask import masks
 
 _MASK64 = (1 << 64) - 1
 
@@ -188,7 +188,7 @@ class LinearProbe(_ProbeMetric):
         values = features.detach().to(torch.float64)  # before pooling: float16 sums overflow
         labels = self._labels(labels.to(features.device))
         keep = _kept(repeated, samples, features.device, real)
-        real = real if masks(values, real) else None
+        real = real if masked_by(values, real) else None
         if keep is not None:
             values, labels = values[keep], labels[keep]
             real = None if real is None else real[keep]

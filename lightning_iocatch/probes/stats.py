@@ -33,10 +33,10 @@ class ActivationStats(_ProbeMetric):
 
     Takes floating tensors with a batch dimension (see :func:`usable`), without the
     rows flagged in ``repeated``; anything else is ignored. With ``tokens``, a bool
-    ``(batch, seq)`` mask of real tokens, a tensor whose first two dimensions are the
-    mask's counts the real tokens' values only (for a ``(batch, seq)`` tensor the units
-    are the positions, alive where a real token is non-zero); a sample without a real
-    token is left out of every tensor, as a ``repeated`` one is.
+    ``(batch, seq)`` mask of real tokens, a tensor of at least three dimensions whose first
+    two are the mask's counts the real tokens' values only; a ``(batch, d)`` tensor is one
+    vector per sample, counted whole; a sample without a real token is left out of every
+    tensor, as a ``repeated`` one is.
 
     Examples:
         >>> stats = ActivationStats()
@@ -81,10 +81,7 @@ class ActivationStats(_ProbeMetric):
         deviations = flat.sub_(mean)  # two passes over the float64 copy, in place
         row = torch.stack([mean.new_tensor(float(flat.numel())), mean, deviations @ deviations])
         self.moments = _chan(self.moments[0], row)[None]
-        if real is not None and values.dim() == 2:  # (batch, seq): the units are positions
-            units = torch.where(real, values, 0)
-        else:
-            units = selected.reshape(-1, selected.shape[-1] if selected.dim() > 1 else 1)
+        units = selected.reshape(-1, selected.shape[-1] if selected.dim() > 1 else 1)
         low, high = units.amin(dim=0), units.amax(dim=0)  # exact in any dtype
         self.absmax = torch.maximum(self.absmax, torch.maximum(-low.min(), high.max()).double())
         self.alive = _padded_max(self.alive, ((low != 0) | (high != 0)).to(torch.float64))

@@ -121,22 +121,24 @@ def test_layer_cka_pools_the_real_tokens(side: str, pool: str) -> None:
     assert got["cka/a~c"] == pytest.approx(numpy_cka(a, c), rel=1e-10)
 
 
-def test_a_two_dimensional_sequence_tensor_and_a_whole_one() -> None:
-    """``(batch, seq)`` values: real positions only, units the positions; ``(batch, d)``
-    values next to the same mask are counted whole but for the sample without tokens."""
+def test_a_two_dimensional_tensor_is_one_vector_per_sample_even_as_wide_as_the_mask() -> None:
+    """A ``(batch, d)`` value (a pooler's output, a classification head's logits) has no
+    positions: it is counted whole, but for the sample without tokens, also where ``d``
+    equals the mask's sequence length (a model padded to ``max_length`` = its width).
+    Before, such a tensor was masked as if its units were positions (the review's case:
+    mean -0.0901 logged for a truth of 0.0066, and ``pool="mean"`` gave width 1)."""
     x, mask = padded("right")
-    scores = x[:, :, 1]
+    assert x.shape[1] == mask.shape[1]
+    pooled = x[:, 1, :]  # (batch, width) beside a (batch, seq) mask
+    pooled = np.concatenate([pooled, pooled[:, :2]], axis=1)  # width 7 == seq 7
+    assert pooled.shape == mask.shape
     stats = ActivationStats()
-    stats.update(torch.tensor(scores), tokens=torch.tensor(mask))
+    stats.update(torch.tensor(pooled), tokens=torch.tensor(mask))
     got = {k: float(v) for k, v in stats.compute().items()}
-    expected = numpy_batch_stats([scores[mask]])
-    expected["dead_frac"] = 1 - mask.any(axis=0).mean()  # a position never real is dead
-    assert got == pytest.approx(expected, rel=1e-12)
-    whole = x[:, 0, :]  # (batch, width) with width != seq
-    stats = ActivationStats()
-    stats.update(torch.tensor(whole), tokens=torch.tensor(mask))
-    got = {k: float(v) for k, v in stats.compute().items()}
-    assert got == pytest.approx(numpy_batch_stats([whole[mask.any(axis=1)]]), rel=1e-12)
+    assert got == pytest.approx(numpy_batch_stats([pooled[mask.any(axis=1)]]), rel=1e-12)
+    for pool in ("mean", "last", "flatten"):
+        got_rows = pool_features(torch.tensor(pooled), pool, torch.tensor(mask))
+        np.testing.assert_array_equal(got_rows.numpy(), pooled)
 
 
 def test_a_mask_of_another_batch_size_is_refused() -> None:

@@ -55,6 +55,7 @@ class Call:
     never: bool = False  # it raised, returned nothing, or holds inference tensors not kept
     copied: bool = False  # its inference tensors are private copies (return fresh ones)
     given: set[int] = field(default_factory=set)  # where its inference arguments lie
+    context: Any = None  # an outermost call's context, for a forward recorded to be reused
 
 
 class Recorder:
@@ -68,8 +69,7 @@ class Recorder:
         context: Callable[[], Any] | None = None,
     ):
         self.points = points
-        self.contexts: list[Any] = []  # ``context()`` at each outermost call's start
-        self._context = context
+        self._context = context  # taken at each outermost call's start (Call.context)
         self._holders = _holders(model, {id(m) for found in points.values() for m, _ in found})
         self.edit_at: dict[str, float] = dict.fromkeys(points, math.inf)
         self._clean = math.inf  # the edit point of no edits: the clean forward replayed
@@ -121,15 +121,17 @@ class Recorder:
         if (self._stack or not reused) and all(at < math.inf for at in self.edit_at.values()):
             self._stack.append((number, None))  # after every edit point: nothing to replay
             return
+        context = None
         if not self._stack and self._context is not None:  # (for mypy: `reused`)
             own = len(self._handles)  # the context without this recorder's hooks
-            context = self._context()
-            self.contexts.append((*context[:2], context[2] - own, *context[3:]))
+            taken = self._context()
+            context = (*taken[:2], taken[2] - own, *taken[3:])
         parent = self._stack[-1][1] if self._stack else None
         kept = parent is None or id(parent.module) in self._holders  # may be replayed alone
         given_args, given_kwargs = _copied((args, kwargs), kept)  # as given, not appended to
         versions = _versions((given_args, given_kwargs))
         call = Call(module, number, now, given_args, given_kwargs, versions=versions)
+        call.context = context
         call.opaque = _opaque((args, kwargs))
         call.copied = kept
         call.given = _storages((args, kwargs))
@@ -182,24 +184,36 @@ class Recorder:
 
 class Replaying:
     """While open, each module with calls to replay returns their clean outputs instead of
-    computing them, call by call, where the call's arguments are the clean call's."""
+    computing them, call by call, where the call's arguments are the clean call's.
+
+    With ``context`` (a forward recorded elsewhere, reused as the clean one): each call of
+    ``outer`` (the recorded outermost calls, replayed or not) must find ``context()`` as it
+    was recorded when it is called, and an argument compared by type only must be the very
+    object the recorded call was given; else it runs for real (:attr:`differed`)."""
 
     def __init__(
-        self, calls: list[Call], fell_back: Callable[[str], None], noted: Callable[[str], None]
+        self,
+        calls: list[Call],
+        fell_back: Callable[[str], None],
+        noted: Callable[[str], None],
+        context: Callable[[], Any] | None = None,
+        outer: list[Call] | None = None,
     ) -> None:
         self._by_module: dict[int, dict[int, Call]] = {}
+        self._outer: dict[int, dict[int, Call]] = {}
         self._modules: dict[int, nn.Module] = {}
-        for call in calls:
-            self._by_module.setdefault(id(call.module), {})[call.number] = call
-            self._modules[id(call.module)] = call.module
-        self._fell_back, self._noted = fell_back, noted
+        for found, where in ((calls, self._by_module), (outer or [], self._outer)):
+            for call in found:
+                where.setdefault(id(call.module), {})[call.number] = call
+                self._modules[id(call.module)] = call.module
+        self._fell_back, self._noted, self._context = fell_back, noted, context
         self._saved: dict[int, Any] = {}
         self.replayed = self.differed = 0  # calls replayed, calls that ran for real instead
 
     def __enter__(self) -> None:
         for key, module in self._modules.items():
             self._saved[key] = module.__dict__.get("forward")  # an instance's own forward
-            module.forward = self._replay(module, self._by_module[key])
+            module.forward = self._replay(module, self._by_module.get(key, {}))
 
     def __exit__(self, *exc_info: object) -> None:
         for key, module in self._modules.items():
@@ -211,13 +225,25 @@ class Replaying:
 
     def _replay(self, module: nn.Module, calls: dict[int, Call]) -> Callable[..., Any]:
         own = self._saved[id(module)] or type(module).forward.__get__(module)
-        count = [0]
+        count, outer, strict = [0], self._outer.get(id(module), {}), self._context is not None
+        name = type(module).__name__
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             number, count[0] = count[0], count[0] + 1
+            first = outer.get(number)
+            context = self._context
+            if first is not None and context is not None and context() != first.context:
+                self.differed += 1
+                self._fell_back(
+                    f"{name} was called in another context than in the recorded forward "
+                    "(autocast, grad or inference mode, default dtype, TF32 or attention "
+                    "backend flags, module modes, hooks or an open session's edits)"
+                )
+                return own(*args, **kwargs)
             call = calls.get(number)
             if call is not None:
-                if same((args, kwargs), (call.args, call.kwargs)) and unchanged(call.versions):
+                given = (call.args, call.kwargs)
+                if same((args, kwargs), given, strict) and unchanged(call.versions):
                     if call.opaque is not None:
                         self._noted(
                             f"a call of {type(module).__name__} before the edit point was "
@@ -230,9 +256,13 @@ class Replaying:
                     return _copied(call.output, call.copied)  # containers anew, copies
                 self.differed += 1
                 self._fell_back(
-                    f"a call of {type(module).__name__} before the edit point had other "
-                    "arguments than in the clean forward (or its output was modified in "
-                    "place): such calls run for real"
+                    f"{name} was called with other arguments than in the recorded forward "
+                    "(one that does not compare by value must be the very object it was "
+                    "given), or what it returned there was modified in place since"
+                    if strict
+                    else f"a call of {name} before the edit point had other arguments than in "
+                    "the clean forward (or its output was modified in place): such calls run "
+                    "for real"
                 )
             return own(*args, **kwargs)
 
@@ -296,8 +326,10 @@ def unchanged(versions: list[tuple[torch.Tensor, int | None]]) -> bool:
     return all(v is None or t._version == v for t, v in versions)
 
 
-def same(a: Any, b: Any) -> bool:
-    """Whether ``a`` (a variant's argument) is the clean call's ``b``; see the module."""
+def same(a: Any, b: Any, strict: bool = False) -> bool:
+    """Whether ``a`` (a variant's argument) is the clean call's ``b``; see the module.
+    ``strict``: an object that does not compare by value must be ``b`` itself, not one of
+    its type (``a`` is given to a forward other than ``b``'s, which may differ)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
@@ -312,13 +344,14 @@ def same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(same(x, y, strict) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same(a[k], b[k], strict) for k in a)
     if isinstance(a, _SIMPLE) or a is b:
         return bool(a == b) or a is b
     try:
         equal = a == b
     except Exception:  # an object that cannot compare (it holds tensors): run for real
         return False
-    return equal if isinstance(equal, bool) and type(a).__eq__ is not object.__eq__ else True
+    by_value = isinstance(equal, bool) and type(a).__eq__ is not object.__eq__
+    return equal if by_value else not strict  # else compared by type only

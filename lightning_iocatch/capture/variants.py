@@ -47,13 +47,17 @@ replaced since is the one edited).
 **A forward run elsewhere as the clean one.** :meth:`Variants.record` arms the recording
 before a forward that is not the variants' own (a validation step's), and
 ``variants(forward, recorded=recording)`` replays it as the clean forward: every outermost
-call of ``forward()`` is checked as above against the recorded one, so a forward that
-calls the model otherwise runs for real, and then the clean forward runs apart with its
-own recording (said once). The recorded forward must also have run in the same context as
-``forward()``: the same autocast, grad and inference mode, the same module hooks and modes,
-and no open session's edits (checked at each outermost call; else it is not reused, said
+call of ``forward()`` is checked as above against the recorded one, except that an argument
+that does not compare by value (an object whose class has no ``__eq__``) must be the very
+object the recorded call was given (its attributes are not compared: one set between the
+two is not seen), so a forward that calls the model otherwise runs for real, and then the
+clean forward runs apart with its own recording (said once). The recorded call must also
+have run in the context the call of ``forward()`` finds when it starts (``forward()`` may
+enter autocast or change a module's mode itself): the same autocast, grad and inference
+mode, default dtype, TF32 and reduced-precision matmul flags, attention (SDPA) backend
+flags, module hooks and modes, and no open session's edits (else it is not reused, said
 once). Not checked: other global state a forward reads (a seed drawn from, a flag of the
-model's own changed between the two).
+model's own, cuDNN's benchmark or deterministic settings, changed between the two).
 
 Other sessions open on the model (or a module of it) are set aside while the forwards run
 (:meth:`~lightning_iocatch.capture.coordinator.ForwardCoordinator.apart`): their hooks
@@ -200,21 +204,20 @@ class Variants:
 
     def _reuse(self, recorded: Recorder, forward: Callable[[], Any]) -> dict[str, Any] | None:
         """The clean output replayed from ``recorded``, or ``None`` (said once) where
-        ``forward()`` does not call the model as the recorded forward did."""
-        now = self._context()
-        if not recorded.top or any(context != now for context in recorded.contexts):
-            why = "it ran no forward of the model" if not recorded.top else (
-                "another autocast, grad mode, hooks or an open session's edits"
-            )  # fmt: skip
-        else:
-            quiet = _quiet  # a call that differs: said below as the reason
-            replaying = Replaying(recorded.replayable(CLEAN, quiet), quiet, self._noted)
+        ``forward()`` does not call the model as the recorded forward did, in its context
+        (compared when each outermost call of ``forward()`` starts: ``forward()`` may enter
+        autocast or change a module's mode itself)."""
+        why = "it ran no forward of the model"
+        if recorded.top:
+            said: list[str] = []  # a call that differs: said below as the reason
+            calls = recorded.replayable(CLEAN, _quiet)
+            replaying = Replaying(calls, said.append, self._noted, self._context, recorded.top)
             with replaying:
                 clean = forward()
             if replaying.replayed and not replaying.differed:
                 self.reused = True
                 return {CLEAN: clean}
-            why = "the forward called the model with other arguments"
+            why = said[0] if said else "none of its calls could be replayed"
         self._fell_back(
             f"the recorded forward (a validation step's own) could not be reused as the clean "
             f"forward ({why}): the clean forward runs apart"
@@ -230,7 +233,7 @@ class Variants:
         autocast = [(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _KINDS]
         return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), hooks, edits,
                 autocast, len(_global_forward_hooks), len(_global_forward_pre_hooks),
-                [m.training for m in model.modules()])  # fmt: skip
+                [m.training for m in model.modules()], _flags())  # fmt: skip
 
     def _whole(self, forward: Callable[[], Any], indices: Sequence[int] | None) -> dict[str, Any]:
         outputs = {CLEAN: forward()}
@@ -308,3 +311,14 @@ def _edits(session: object) -> bool:
 
 def _quiet(reason: str) -> None:
     return None
+
+
+def _flags() -> tuple[Any, ...]:
+    """The global numeric flags a forward's values depend on: the default dtype, TF32 and
+    reduced-precision matmuls, the attention (SDPA) backends (reads only: no GPU needed)."""
+    cuda = torch.backends.cuda
+    return (torch.get_default_dtype(), torch.get_float32_matmul_precision(),
+            cuda.matmul.allow_tf32, cuda.matmul.allow_fp16_reduced_precision_reduction,
+            cuda.matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32,
+            cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+            cuda.cudnn_sdp_enabled())  # fmt: skip

@@ -22,9 +22,10 @@ evenly). Where a dataloader gives no dataset indices (see
 summed as they come and a sampler's repeats are counted: a warning says so.
 
 The clean forward is the validation step's own where the step calls the model as
-``forward`` does, in the same context (recorded from the batch's start and replayed,
-checked call by call: :meth:`~lightning_iocatch.capture.variants.Variants.record`); else
-the callback says so once and runs its own. The forwards run in the loop's precision and
+``forward`` does (an argument without value equality: the very object), in the context
+``forward``'s calls start in (recorded from the batch's start and replayed, checked call
+by call: :meth:`~lightning_iocatch.capture.variants.Variants.record`); else the callback
+says so once and runs its own. The forwards run in the loop's precision and
 inference mode, each on its own copy of the batch as the loader gave it, and apart from
 other sessions open on the model (an ``IOCaptureCallback``'s): they neither capture nor
 edit them. Edits that need the batch's dataset indices (a
@@ -82,8 +83,8 @@ class InterventionEffects(pl.Callback):
         share: share the computation before each variant's edit point (see
             :mod:`~lightning_iocatch.capture.variants` for when that is exact).
         reuse: reuse the validation step's own forward as the clean one, where the step
-            calls the model as ``forward`` does, in the same context (checked call by call;
-            else said once, and the clean forward runs apart).
+            calls the model as ``forward`` does, in the same context (checked call by call,
+            when each starts; else said once, and the clean forward runs apart).
         prefix: of the logged names.
     """
 

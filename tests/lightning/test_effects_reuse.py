@@ -16,7 +16,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_iocatch.capture import Zero
 from lightning_iocatch.lightning.effects import InterventionEffects
+from tests.capture.test_variants_reuse import Batch, Net, autocast
 from tests.lightning.test_effects import LM, forward, samples, truth, variants
 
 
@@ -82,3 +84,51 @@ def test_a_step_calling_the_model_otherwise_falls_back_to_its_own_clean_forward(
     expected = truth(5, 2)
     for name, value in expected.items():
         assert effects.last_values[name] == pytest.approx(value, rel=1e-10), name
+
+
+class Viewed(pl.LightningModule):
+    """A step that calls the model on another view of the batch (a plain object, compared by
+    type only), or on the batch as ``forward=`` does; in float32."""
+
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.model, self.view = Net().eval(), view
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self.model(Batch(batch.x * 2.0) if self.view else batch)
+
+
+def run_viewed(case: str, reuse: bool) -> InterventionEffects:
+    def wrapped(module: pl.LightningModule, batch: Batch) -> Any:
+        if case == "autocast":  # a forward= that enters autocast itself
+            with autocast():
+                return module.model(batch)
+        return module.model(batch)
+
+    effects = InterventionEffects(
+        {"zero": [Zero("model.head")]}, forward=wrapped, output=lambda out: out.float(),
+        loss=lambda logits, batch: logits.double().pow(2).mean(-1), reuse=reuse,
+    )  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[effects],
+    )  # fmt: skip
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    data = DataLoader(x, batch_size=3, collate_fn=lambda rows: Batch(torch.stack(rows)))
+    trainer.validate(Viewed(view=case == "view"), data, verbose=False)
+    return effects
+
+
+@pytest.mark.parametrize("case", ["view", "autocast"])
+def test_a_step_on_another_object_or_context_is_not_reused(case: str):
+    """The truth: the callback's own clean forward (``reuse=False``)."""
+    with pytest.warns(UserWarning, match="could not be reused"):
+        effects = run_viewed(case, reuse=True)
+    assert effects._runner is not None and not effects._runner.reused
+    assert effects.last_values == run_viewed(case, reuse=False).last_values
+
+
+def test_a_step_on_the_same_object_in_the_same_context_is_reused():
+    effects = run_viewed("same", reuse=True)
+    assert effects._runner is not None and effects._runner.reused
+    assert effects.last_values == run_viewed("same", reuse=False).last_values

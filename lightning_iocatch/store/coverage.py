@@ -21,19 +21,34 @@ from lightning_iocatch.store.stored_batches import StoredBatch, holds_any
 __all__ = ["gaps", "listed", "refuse_duplicates", "sample_array"]
 
 _MAX_LISTED = 10_000_000  # missing indices listed one by one
+_BLOCK = 4096  # members of a strided group read at a time while looking for gaps
 
 
 def gaps(present: IndexSet, expected: int | None, limit: int | None) -> list[tuple[int, int]]:
     """The indices absent from ``range(expected)`` (default: up to the largest present) as
-    ascending half-open ranges ``(start, stop)``, the first ``limit`` where given."""
+    ascending half-open ranges ``(start, stop)``, the first ``limit`` where given. With a
+    limit the runs are read a block at a time (:meth:`~.index_set.IndexSet.iter_ranges`)
+    until it is reached: the first gaps of one DDP rank's share alone (a gap per index) cost
+    a block, not the share; without one, the answer is a range per gap anyway."""
     if expected is not None and (type(expected) is not int or expected < 0):
         raise ValueError(f"`expected` must be a non-negative int or None, got {expected!r}")
-    runs = present.ranges()  # closed [first, last], ascending, not adjacent
-    firsts, lasts = runs[:, 0].tolist(), runs[:, 1].tolist()  # Python ints: last + 1 fits
-    stop = expected if expected is not None else lasts[-1] + 1 if lasts else 0
-    starts = [0, *(last + 1 for last in lasts)]  # a gap starts after each run
-    ends = [*firsts, stop]
-    found = [(a, min(b, stop)) for a, b in zip(starts, ends, strict=True) if a < min(b, stop)]
+    found: list[tuple[int, int]] = []
+    stop = expected if expected is not None else 2**64  # past every index
+    at = 0  # the first index not known to be present; Python ints: a last + 1 fits
+    blocks = [present.ranges()] if limit is None else present.iter_ranges(_BLOCK)
+    for block in blocks:  # ascending, not adjacent
+        if not block.size:
+            continue
+        firsts, lasts = block[:, 0].tolist(), block[:, 1].tolist()
+        starts = [at, *(last + 1 for last in lasts[:-1])]  # a gap starts after each run
+        found += [
+            (a, min(b, stop)) for a, b in zip(starts, firsts, strict=True) if a < min(b, stop)
+        ]
+        at = lasts[-1] + 1
+        if (limit is not None and len(found) >= limit) or at >= stop:
+            break
+    if at < stop < 2**64:
+        found.append((at, stop))
     return found if limit is None else found[:limit]
 
 

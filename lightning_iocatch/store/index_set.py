@@ -13,8 +13,10 @@ long. Groups are found by step and residue, never by a scan of all of them, and 
 at most :data:`_STEPS` steps: adding a batch and asking about one cost ``O(log n)`` per
 index, whatever the batches' pattern. Membership, adding a batch, the union as ranges of
 step 1 (:meth:`ranges`) and the members of a progression already present
-(:meth:`overlap`) all work on intervals. Intervals are closed (``first, last``), so that
-``2**63 - 1`` itself needs no bound past it.
+(:meth:`overlap`) all work on intervals; the size (``len``) is counted from them, never
+from the members, and :meth:`iter_ranges` makes the ranges a block at a time (one DDP
+rank's share alone is one interval but a range per member). Intervals are closed
+(``first, last``), so that ``2**63 - 1`` itself needs no bound past it.
 
 Examples:
     >>> seen = IndexSet()
@@ -30,17 +32,29 @@ Examples:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
+from lightning_iocatch.store.intervals import (
+    EMPTY,
+    Intervals,
+    Points,
+    common,
+    in_runs,
+    members,
+    minus,
+    normalize,
+    runs_hold,
+)
+
 __all__ = ["IndexSet", "progression"]
 
-_PENDING = 32  # intervals added one by one before they are merged into the sorted arrays
 _LONG = 8  # a progression this long gets a group of its step and residue at once
 _STEPS = 64  # steps with groups at most; more asks of each query more work for nothing
 _RECENT = 4096  # short progressions remembered, to see whether the next one continues them
+_BLOCK = 1 << 16  # members of groups of two steps tested at a time when counting
 
 
 def progression(indices: np.ndarray) -> tuple[int, int, int] | None:
@@ -54,129 +68,24 @@ def progression(indices: np.ndarray) -> tuple[int, int, int] | None:
     return None
 
 
-class _Intervals:
-    """Closed intervals ``[first, last]`` of integers, kept as a few levels of sorted,
-    disjoint, non-adjacent intervals, each level less than a quarter of the one before it
-    (a log-structured merge): adding ``k`` intervals costs ``O(k log n)`` over time, not a
-    merge of all ``n``, and a query asks each of the ``O(log n)`` levels. Intervals added one
-    by one wait in a short list (merged at :data:`_PENDING`), which queries read as it is:
-    a batch at a time, adding and asking costs little array work."""
-
-    def __init__(self) -> None:
-        self._levels: list[tuple[np.ndarray, np.ndarray]] = []
-        self._pending: list[tuple[int, int]] = []
-
-    def add(self, first: int, last: int) -> None:
-        if self._pending and self._pending[-1][1] == first - 1:  # the common case: extend
-            self._pending[-1] = (self._pending[-1][0], last)
-        else:
-            self._pending.append((first, last))
-        if len(self._pending) >= _PENDING:
-            self._flush()
-
-    def add_many(self, starts: np.ndarray, stops: np.ndarray) -> None:
-        self._flush()
-        self._push(starts, stops)
-
-    def _flush(self) -> None:
-        if self._pending:
-            pending = np.array(self._pending, dtype=np.int64).reshape(-1, 2)
-            self._pending = []
-            self._push(pending[:, 0], pending[:, 1])
-
-    def _push(self, starts: np.ndarray, stops: np.ndarray) -> None:
-        level = _normalize(starts, stops)
-        while self._levels and self._levels[-1][0].size <= 4 * level[0].size:
-            before = self._levels.pop()
-            level = _normalize(np.concatenate([before[0], level[0]]),
-                               np.concatenate([before[1], level[1]]))  # fmt: skip
-        self._levels.append(level)
-
-    def merged(self) -> tuple[np.ndarray, np.ndarray]:
-        """All intervals as one sorted, disjoint, non-adjacent level."""
-        self._flush()
-        if len(self._levels) > 1:
-            starts = np.concatenate([level[0] for level in self._levels])
-            stops = np.concatenate([level[1] for level in self._levels])
-            self._levels = [_normalize(starts, stops)]
-        if not self._levels:
-            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-        return self._levels[0]
-
-    def contains(self, values: np.ndarray) -> np.ndarray:
-        found = np.zeros(values.shape, dtype=bool)
-        if len(self._pending) * values.size > 4 * _PENDING:  # a long query: arrays first
-            self._flush()
-        if self._pending:
-            pending = np.array(self._pending, dtype=np.int64)
-            inside = (values[..., None] >= pending[:, 0]) & (values[..., None] <= pending[:, 1])
-            found |= inside.any(axis=-1)
-        for starts, stops in self._levels:
-            at = np.searchsorted(starts, values, side="right") - 1
-            inside = at >= 0
-            inside[inside] = values[inside] <= stops[at[inside]]
-            found |= inside
-        return found
-
-    def overlap(self, first: int, last: int) -> list[tuple[int, int]]:
-        """The parts of ``[first, last]`` that these intervals cover, as closed intervals."""
-        parts = [
-            (max(first, a), min(last, b)) for a, b in self._pending if a <= last and b >= first
-        ]
-        sources = len(self._levels) + bool(parts)
-        for starts, stops in self._levels:
-            low = int(np.searchsorted(stops, first, side="left"))
-            high = int(np.searchsorted(starts, last, side="right"))
-            parts += [
-                (max(first, int(a)), min(last, int(b)))
-                for a, b in zip(starts[low:high], stops[low:high], strict=True)
-            ]
-        if sources < 2:
-            return parts
-        starts, stops = _normalize(*np.array(parts, dtype=np.int64).reshape(-1, 2).T)
-        return list(zip(starts.tolist(), stops.tolist(), strict=True))
-
-    def span(self) -> tuple[int, int] | None:
-        """The first and last integer covered, or ``None`` when empty."""
-        firsts = [int(a[0]) for a, _ in self._levels] + [a for a, _ in self._pending]
-        lasts = [int(b[-1]) for _, b in self._levels] + [b for _, b in self._pending]
-        return (min(firsts), max(lasts)) if firsts else None
-
-    def runs(self) -> int:
-        return sum(level[0].size for level in self._levels) + len(self._pending)
-
-
-def _normalize(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Closed intervals as sorted, disjoint, non-adjacent ones covering the same integers."""
-    if not starts.size:
-        return starts.astype(np.int64), stops.astype(np.int64)
-    order = np.argsort(starts, kind="stable")
-    starts, stops = starts[order], stops[order]
-    reach = np.maximum.accumulate(stops)
-    new = np.ones(starts.size, dtype=bool)
-    new[1:] = starts[1:] - 1 > reach[:-1]  # a gap before it: a new interval starts here
-    firsts = np.flatnonzero(new)
-    return starts[firsts], reach[np.append(firsts[1:] - 1, starts.size - 1)]
-
-
 class IndexSet:
     """Non-negative dataset indices (see the module docstring). Pickles compactly."""
 
     def __init__(self) -> None:
         # step -> residue -> q-intervals; step 1 (residue 0) holds runs of step 1
-        self._groups: dict[int, dict[int, _Intervals]] = {}
+        self._groups: dict[int, dict[int, Intervals]] = {}
         self._spans: dict[int, tuple[int, int]] = {}  # step -> lowest, highest index covered
         # (step, residue) -> q-interval of the last short progression kept as runs of step 1
         self._recent: OrderedDict[tuple[int, int], tuple[int, int]] = OrderedDict()
 
-    def _group(self, step: int, residue: int, low: int, high: int) -> _Intervals:
+    def _group(self, step: int, residue: int, low: int, high: int) -> Intervals:
         """The group of ``(step, residue)`` (made if new), its step's span grown to hold
         ``low .. high``."""
         span = self._spans.get(step)
         self._spans[step] = (low, high) if span is None else (min(span[0], low), max(span[1], high))
         residues = self._groups.setdefault(step, {})
         if residue not in residues:
-            residues[residue] = _Intervals()
+            residues[residue] = Intervals()
         return residues[residue]
 
     def add_progression(self, start: int, step: int, count: int) -> None:
@@ -271,38 +180,110 @@ class IndexSet:
             return np.empty(0, dtype=np.int64)
         return np.unique(np.concatenate(found))
 
-    def ranges(self) -> np.ndarray:
-        """The set as sorted, disjoint, closed ranges ``[first, last]`` of step 1: an
-        ``(n, 2)`` int64 array."""
-        starts: list[np.ndarray] = []
-        stops: list[np.ndarray] = []
+    def _parts(
+        self,
+    ) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray, int, int]]]:
+        """The runs of step 1 (with the q-ranges every residue of a step holds, as the runs
+        they are), normalized, and each strided group's other q-intervals."""
+        starts, stops = [np.empty(0, dtype=np.int64)], [np.empty(0, dtype=np.int64)]
+        rests = []
         for step in sorted(self._groups):
             residues = self._groups[step]
-            full = _common(list(residues.values())) if len(residues) == step else None
+            full = common(list(residues.values())) if 1 < step == len(residues) else None
             for residue, intervals in residues.items():
                 rest = intervals.merged()
-                if full is not None and step > 1:
-                    rest = _minus(*rest, *full)
                 if step == 1:
                     starts.append(rest[0])
                     stops.append(rest[1])
                     continue
-                points = np.concatenate(
-                    [np.arange(a, b + 1, dtype=np.int64) for a, b in zip(*rest, strict=True)]
-                    or [np.empty(0, dtype=np.int64)]
-                )
-                starts.append(points * step + residue)
-                stops.append(points * step + residue)
-            if full is not None and step > 1:  # every residue of q: the values q*s .. q*s+s-1
+                rest = minus(*rest, *full) if full is not None else rest
+                if rest[0].size:
+                    rests.append((*rest, step, residue))
+            if full is not None:  # every residue of q: the values q*s .. q*s+s-1
                 starts.append(full[0] * step)
                 stops.append(full[1] * step + (step - 1))
-        if not starts:
-            return np.empty((0, 2), dtype=np.int64)
-        return np.stack(_normalize(np.concatenate(starts), np.concatenate(stops)), axis=1)
+        return *normalize(np.concatenate(starts), np.concatenate(stops)), rests
+
+    def ranges(self) -> np.ndarray:
+        """The set as sorted, disjoint, closed ranges ``[first, last]`` of step 1: an
+        ``(n, 2)`` int64 array, one range per member of a strided group that no other member
+        adjoins (see :meth:`iter_ranges` to read them a block at a time)."""
+        starts, stops, rests = self._parts()
+        points = [np.empty(0, dtype=np.int64)]
+        for q0, q1, step, residue in rests:
+            points.append(Points(q0, q1, step, residue, None).values)
+        every = np.concatenate(points)
+        return np.stack(normalize(np.concatenate([starts, every]),
+                                   np.concatenate([stops, every])), axis=1)  # fmt: skip
+
+    def iter_ranges(self, block: int = 1 << 16) -> Iterator[np.ndarray]:
+        """:meth:`ranges` as consecutive ``(n, 2)`` arrays, made as they are read: a strided
+        group's members are made ``block`` at a time, so a reader that stops early (the
+        first gaps) holds a block per group, not the group."""
+        starts, stops, rests = self._parts()
+        streams = [Points(*rest, block) for rest in rests]
+        held: np.ndarray | None = None  # the last range so far: the next may extend it
+        at = 0
+        while True:
+            streams = [stream for stream in streams if stream.values.size]
+            bound = min((int(stream.values[-1]) for stream in streams), default=None)
+            upto = starts.size if bound is None else int(np.searchsorted(starts, bound, "right"))
+            points = [stream.take(bound) for stream in streams if bound is not None]
+            every = np.concatenate(points or [np.empty(0, dtype=np.int64)])
+            low = [starts[at:upto], every] + ([held[:1]] if held is not None else [])
+            high = [stops[at:upto], every] + ([held[1:]] if held is not None else [])
+            at = upto
+            found = np.stack(normalize(np.concatenate(low), np.concatenate(high)), axis=1)
+            if bound is None:
+                if found.size:
+                    yield found
+                return
+            if found.size:
+                held = found[-1]
+                if len(found) > 1:
+                    yield found[:-1]
 
     def __len__(self) -> int:
-        bounds = self.ranges()  # a run's length less one fits int64 even up to 2**63 - 1
-        return int((bounds[:, 1] - bounds[:, 0]).sum()) + len(bounds)
+        """Counted from the intervals, in Python integers: a member that runs of step 1 or
+        groups of other steps hold too counts once."""
+        units = self._groups.get(1, {}).get(0)
+        u0, u1 = units.merged() if units is not None else (EMPTY, EMPTY)
+        total = members(u0, u1)
+        for step, residues in self._groups.items():
+            for residue, group in residues.items() if step > 1 else ():
+                q0, q1 = group.merged()
+                total += members(q0, q1) - runs_hold(q0, q1, step, residue, u0, u1)
+        return total - self._strided_twice(u0, u1)
+
+    def _strided_twice(self, u0: np.ndarray, u1: np.ndarray) -> int:
+        """How many more times the groups of steps above 1 count the members outside the
+        runs of step 1 than the members are: tested a block at a time where the groups of
+        two steps or more reach (the spans of one step's residues never share a member)."""
+        covers = []
+        for step, residues in self._groups.items():
+            if step > 1:
+                merged = [(*g.merged(), r) for r, g in residues.items()]
+                lows = np.concatenate([q0 * step + r for q0, _, r in merged])
+                covers.append(
+                    normalize(lows, np.concatenate([q1 * step + r for _, q1, r in merged]))
+                )
+        if len(covers) < 2:
+            return 0
+        coords = np.concatenate([c[0] for c in covers] + [c[1] for c in covers])
+        ends = np.repeat([0, 1], coords.size // 2)  # at one coordinate, starts come first
+        order = np.lexsort((ends, coords))
+        delta = np.where(ends[order] == 0, 1, -1)
+        depth = np.cumsum(delta)
+        firsts = coords[order][(delta == 1) & (depth == 2)].tolist()
+        lasts = coords[order][(delta == -1) & (depth == 1)].tolist()
+        twice = 0
+        for first, last in zip(firsts, lasts, strict=True):
+            for low in range(first, last + 1, _BLOCK):
+                values = np.arange(min(last - low + 1, _BLOCK), dtype=np.int64) + low
+                values = values[~in_runs(u0, u1, values)]
+                held = [_held(r, s, values) for s, r in self._groups.items() if s > 1]
+                twice += int(np.sum(held)) - int(np.any(held, axis=0).sum())
+        return twice
 
     def __bool__(self) -> bool:
         return bool(self._spans)
@@ -330,7 +311,7 @@ class IndexSet:
         return f"IndexSet({len(self)} indices in {runs} runs)"
 
 
-def _held(residues: dict[int, _Intervals], step: int, values: np.ndarray) -> np.ndarray:
+def _held(residues: dict[int, Intervals], step: int, values: np.ndarray) -> np.ndarray:
     """Whether each of ``values`` is ``r + q * step`` for a group ``r`` of ``residues``
     holding ``q``: one lookup per residue the values have, none per group."""
     if step == 1:
@@ -343,50 +324,3 @@ def _held(residues: dict[int, _Intervals], step: int, values: np.ndarray) -> np.
             mine = remainders == residue
             found[mine] = group.contains(quotients[mine])
     return found
-
-
-def _common(groups: list[_Intervals]) -> tuple[np.ndarray, np.ndarray]:
-    """The q-intervals every one of ``groups`` covers."""
-    starts, stops = groups[0].merged()
-    for other in groups[1:]:
-        starts, stops = _intersect(starts, stops, *other.merged())
-    return starts, stops
-
-
-def _intersect(
-    a0: np.ndarray, a1: np.ndarray, b0: np.ndarray, b1: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    out0, out1 = [], []
-    i = j = 0
-    while i < a0.size and j < b0.size:
-        low, high = max(a0[i], b0[j]), min(a1[i], b1[j])
-        if low <= high:
-            out0.append(low)
-            out1.append(high)
-        if a1[i] < b1[j]:
-            i += 1
-        else:
-            j += 1
-    return np.array(out0, dtype=np.int64), np.array(out1, dtype=np.int64)
-
-
-def _minus(
-    a0: np.ndarray, a1: np.ndarray, b0: np.ndarray, b1: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Closed intervals ``[a0, a1]`` without ``[b0, b1]`` (both sorted and disjoint)."""
-    out0, out1 = [], []
-    j = 0
-    for first, last in zip(a0.tolist(), a1.tolist(), strict=True):
-        while j < b0.size and int(b1[j]) < first:
-            j += 1
-        k, at = j, first  # the first integer not yet emitted or removed
-        while k < b0.size and int(b0[k]) <= last:
-            if int(b0[k]) > at:
-                out0.append(at)
-                out1.append(int(b0[k]) - 1)
-            at = max(at, int(b1[k]) + 1)
-            k += 1
-        if at <= last:
-            out0.append(at)
-            out1.append(last)
-    return np.array(out0, dtype=np.int64), np.array(out1, dtype=np.int64)

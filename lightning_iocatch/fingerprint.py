@@ -10,20 +10,28 @@ everything the function's result can depend on, read without calling it:
 - ``functools.partial``: its function and arguments; a bound method: its function and
   the object it is bound to;
 - a dataclass instance (a config) or a ``SimpleNamespace``: its class and fields;
+- a class of your own (a module's, a config's, one a function reads): its bases and what
+  its own dict holds: methods, static and class methods, properties and cached
+  properties described as functions are (so the helpers they call, the globals they
+  read), and its data (``k = 2.0``) by value; a library's class by name and version;
 - values: tensors and NumPy arrays by shape, dtype and bytes; numbers, strings and other
-  plain values by their repr; containers by their items; an ``nn.Module`` by its class
-  (and its code, for a class of your own), its weights and buffers, and its plain
-  attributes (``training``, ``k``, ``eps``...); an imported module by its name;
+  plain values by their repr; containers by their items; an ``nn.Module`` by its class,
+  its weights and every buffer (non-persistent ones too, as a rotary ``inv_freq``), and
+  its tensor and plain attributes (``training``, ``k``, ``eps``...); an imported module
+  by its name;
 - code of an installed library (site-packages, the standard library, builtins such as
-  ``torch.relu``) by its qualified name and the library's version.
+  ``torch.relu``) by its qualified name and the library's version; a function of yours
+  it wraps (``@torch.no_grad()``, ``functools.wraps``) as a function of yours.
 
-Not seen: a change reached through an attribute of an installed library's module, or
-inside a module's own non-plain attributes. Where the description cannot be decided (a
-callable object of a type of your own, a closure over an arbitrary object, a global
-logger), the record is ``{"function": name, "undecidable": why}``: such a dump cannot be
-resumed. Give the function (or object) a ``__fingerprint__`` string that changes when
-what it computes does; it is recorded instead, as ``{"function": name, "fingerprint":
-...}``. The record is the same in every process and run (no addresses, no line numbers).
+Not seen: a change reached through an attribute of an installed library's module, inside
+a module's attributes other than tensors and plain values, or in a class's data that
+cannot be read (ABC's ``_abc_impl``, a lock: by its type). Where the description cannot
+be decided (a callable object of a type of your own, a closure over an arbitrary object,
+a global logger, read by the function or by a method of a class it reads), the record is
+``{"function": name, "undecidable": why}``: such a dump cannot be resumed. Give the
+function (or object) a ``__fingerprint__`` string that changes when what it computes
+does; it is recorded instead, as ``{"function": name, "fingerprint": ...}``. The record
+is the same in every process and run (no addresses, no line numbers).
 
 Examples:
     >>> import torch
@@ -46,32 +54,36 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import dis
 import enum
 import functools
 import hashlib
-import site
-import sys
-import sysconfig
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["describe_function", "describe_tensor", "undecidable_functions"]
-
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, range, slice)
-_PLAIN_VALUES = (Ellipsis, NotImplemented)
-_TORCH_PLAIN = (torch.dtype, torch.device, torch.layout, torch.memory_format)
-_BUILTIN = (
-    types.BuiltinFunctionType,
-    types.WrapperDescriptorType,
-    types.MethodWrapperType,
-    types.MethodDescriptorType,
-    types.ClassMethodDescriptorType,
+from lightning_iocatch.fingerprint_values import (
+    _BUILTIN,
+    _PLAIN,
+    _PLAIN_VALUES,
+    _SENTINELS,
+    _TORCH_PLAIN,
+    _all_plain,
+    _config,
+    _given,
+    _globals_read,
+    _library,
+    _library_class,
+    _library_code,
+    _name,
+    _names_read,
+    _tensor,
+    _Undecidable,
+    _version,
 )
-_LOADS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+
+__all__ = ["describe_function", "describe_tensor", "undecidable_functions"]
 
 
 def describe_function(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -114,10 +126,6 @@ def undecidable_functions(record: Any) -> Iterator[str]:
             yield from undecidable_functions(value)
 
 
-class _Undecidable(Exception):
-    """A part of a function whose behaviour cannot be read from it."""
-
-
 class _Walk:
     """One description: the parts fed to a digest in a fixed order; an object met twice
     is referred to by the place it was first met (cycles end, no address is recorded)."""
@@ -141,6 +149,9 @@ class _Walk:
             return
         if isinstance(value, _TORCH_PLAIN):
             self.put("torch", repr(value))
+            return
+        if any(value is v for v in _SENTINELS):
+            self.put("sentinel", type(value).__qualname__)
             return
         if id(value) in self._seen:
             self.put("seen", self._seen[id(value)])
@@ -168,7 +179,8 @@ class _Walk:
         elif isinstance(value, (set, frozenset)):
             self.put("set", *sorted(_digest_of(item) for item in value))
         elif _config(value):
-            self.put("object", _name(type(value)))  # a config: its fields
+            self.put("object")  # a config: its class (its code, if your own) and fields
+            self.value(type(value))
             fields = (
                 [f.name for f in dataclasses.fields(value)]
                 if not isinstance(value, types.SimpleNamespace)
@@ -210,32 +222,66 @@ class _Walk:
 
     def _class(self, cls: type) -> None:
         self.put("class", _name(cls), _version(cls.__module__))
-        if _library(sys.modules.get(cls.__module__)):
+        if _library_class(cls):
             return
-        for base in cls.__mro__:  # a class of your own: the code of its own methods
-            if base.__module__ in ("builtins", "torch.nn.modules.module"):
-                continue
-            for attribute, member in sorted(vars(base).items()):
-                function = getattr(member, "__func__", member)
-                if isinstance(function, types.FunctionType):
-                    self.put(attribute)
-                    self._code(function.__code__)
-                    self.value(function.__defaults__)
+        for base in cls.__mro__[1:]:  # a class of your own: its bases, then its own dict
+            self.value(base)
+        for attribute, member in sorted(vars(cls).items()):
+            if isinstance(member, (staticmethod, classmethod)):
+                member = member.__func__
+            if isinstance(member, property):
+                self.put(attribute, "property")
+                for accessor in (member.fget, member.fset, member.fdel):
+                    self.value(accessor)
+            elif isinstance(member, functools.cached_property):
+                self.put(attribute, "cached property")
+                self.value(member.func)
+            elif isinstance(member, (types.FunctionType, type, functools.partial, *_BUILTIN)):
+                self.put(attribute)
+                self.value(member)  # a method: as any function (its globals, closure...)
+            elif not (attribute.startswith("__") and attribute.endswith("__")):
+                self._data(attribute, member)  # not Python's (`__doc__`, `__module__`...)
+
+    def _data(self, attribute: str, value: Any) -> None:
+        """A class's data: by its value, or by its type where that cannot be decided (a
+        class's machinery, such as ABC's `_abc_impl`)."""
+        hashed, alive = self._hash.copy(), len(self._alive)
+        try:
+            self.put(attribute)
+            self.value(value)
+        except _Undecidable:  # forget what was fed and met since
+            self._hash = hashed
+            for gone in self._alive[alive:]:
+                del self._seen[id(gone)]
+            del self._alive[alive:]
+            self.put(attribute, "opaque", type(value).__qualname__)
 
     def _module(self, module: torch.nn.Module) -> None:
-        self._class(type(module))
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            self.put(name, *_tensor(tensor))
+        self.value(type(module))
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            place = f"{prefix}." if prefix else ""  # as state_dict, with every buffer
+            for name, tensor in (*sub._parameters.items(), *sub._buffers.items()):
+                if tensor is not None:
+                    self.put(place + name, *_tensor(tensor))
+            if type(sub).get_extra_state is not torch.nn.Module.get_extra_state:
+                self.put(place + "_extra_state")
+                self.value(sub.get_extra_state())
         for name, sub in module.named_modules():
-            plain = [(k, v) for k, v in vars(sub).items() if not k.startswith("_")]
-            for attribute, value in sorted(plain, key=lambda item: item[0]):
-                if isinstance(value, (*_PLAIN, tuple)) and _all_plain(value):
+            for attribute, value in sorted(vars(sub).items(), key=lambda item: item[0]):
+                if isinstance(value, torch.Tensor) and not attribute.startswith("__"):
+                    self.put(name, attribute, *_tensor(value))  # not a weight or buffer
+                elif attribute.startswith("_"):
+                    continue
+                elif isinstance(value, (*_PLAIN, tuple)) and _all_plain(value):
                     self.put(name, attribute, repr(value))
 
     def _function(self, fn: types.FunctionType) -> None:
         self.put("function", _name(fn))
         if _library_code(fn.__code__):
             self.put(_version(fn.__module__))
+            wrapped = vars(fn).get("__wrapped__")  # a library's decorator on yours
+            if wrapped is not None:
+                self.value(wrapped)
             return
         self._code(fn.__code__)
         self.value(fn.__defaults__)
@@ -293,101 +339,7 @@ class _Walk:
             self.value(constant)
 
 
-def _given(value: Any) -> str | None:
-    """A ``__fingerprint__`` of the user's (a str), if ``value`` has one."""
-    try:
-        given = getattr(value, "__fingerprint__", None)
-    except Exception:  # an object whose attributes raise: it has none
-        return None
-    if isinstance(value, type) and not isinstance(given, str):
-        return None  # a class whose instances have one (a property, say)
-    if given is not None and not isinstance(given, str):
-        raise TypeError(
-            f"`__fingerprint__` of {_name(value)} must be a str that changes when what it "
-            f"computes does, got {type(given).__name__}"
-        )
-    return given
-
-
-def _name(value: Any) -> str:
-    """A readable qualified name: the function's, a partial's function's, a type's."""
-    if isinstance(value, functools.partial):
-        return f"functools.partial({_name(value.func)})"
-    named = value if hasattr(value, "__qualname__") else type(value)
-    module = getattr(named, "__module__", None) or type(named).__module__
-    return f"{module}.{getattr(named, '__qualname__', type(named).__qualname__)}"
-
-
-def _tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
-    data = tensor.detach()
-    if data.layout != torch.strided:
-        data = data.to_dense()
-    if data.device.type == "meta":
-        raise _Undecidable("a tensor on the meta device (it holds no values)")
-    data = data.cpu().contiguous()
-    raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return list(data.shape), str(data.dtype), raw
-
-
 def _digest_of(value: Any) -> str:
     walk = _Walk()
     walk.value(value)
     return walk.digest()
-
-
-def _config(value: Any) -> bool:
-    """A dataclass instance (not the class) or a ``SimpleNamespace``."""
-    dataclass = dataclasses.is_dataclass(value) and not isinstance(value, type)
-    return dataclass or isinstance(value, types.SimpleNamespace)
-
-
-def _all_plain(value: Any) -> bool:
-    if isinstance(value, tuple):
-        return all(_all_plain(item) for item in value)
-    return isinstance(value, _PLAIN)
-
-
-def _globals_read(code: types.CodeType) -> set[str]:
-    names = {i.argval for i in dis.get_instructions(code) if i.opname in _LOADS_GLOBAL}
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            names |= _globals_read(constant)
-    return names
-
-
-def _names_read(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            names |= _names_read(constant)
-    return names
-
-
-def _version(module: str) -> str:
-    top = sys.modules.get(module.split(".")[0])
-    version = getattr(top, "__version__", "")
-    return version if isinstance(version, str) else str(version)
-
-
-@functools.lru_cache(maxsize=1)
-def _library_places() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    places = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
-    places.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
-    places.add(site.getusersitepackages())
-    return tuple(sorted(place.rstrip("/") + "/" for place in places if place))
-
-
-def _library_code(code: types.CodeType) -> bool:
-    """Code of an installed library (or frozen into the interpreter), not of your own."""
-    filename = code.co_filename
-    return filename.startswith("<frozen") or filename.startswith(_library_places())
-
-
-def _library(module: types.ModuleType | None) -> bool:
-    filename = getattr(module, "__file__", None)
-    if module is not None and module.__name__ == "__main__":
-        return False  # a script's, or a notebook's
-    if module is None or not isinstance(filename, str):
-        return True  # built into the interpreter
-    return filename.startswith(_library_places())

@@ -26,6 +26,7 @@ CORE = [
     "checks",
     "suggest",
     "fingerprint",
+    "fingerprint_values",
     "token_mask",
 ]
 ON_TOP = ["lightning", "cli", "__main__"]

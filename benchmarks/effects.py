@@ -22,7 +22,7 @@ other rows).
   any sharing can reach;
 - ``validate_with_effects``: ``trainer.validate`` with ``InterventionEffects`` (the SAE
   splice and the zero ablation, ``recovered``) over ``trainer.validate`` without it, the
-  validation step computing the model's cross-entropy (2 batches a run, a new Trainer
+  validation step computing the model's cross-entropy (6 batches a run, a new Trainer
   each); the callback reuses the step's forward as the clean one and computes its losses
   and KL in float64. Its floor is ``ideal_three`` less the clean forward, plus the losses;
 - ``validate_with_effects_apart``: the same with ``reuse=False`` (the callback's own clean
@@ -100,7 +100,7 @@ def validate_rows(lm: GPT2LMHeadModel, sae: nn.Module, ids: torch.Tensor) -> dic
     """``plain``: validate without the callback; ``validate_with_effects``: with it."""
     module = Validated(lm)
     data = [{"input_ids": row, "attention_mask": torch.ones_like(row)} for row in ids]
-    loader = DataLoader(data + data, batch_size=8)  # 2 batches
+    loader = DataLoader(data * 6, batch_size=8)  # 6 batches: the Trainer's setup weighs less
 
     def run(effects: bool, reuse: bool = True) -> None:
         callbacks: list[pl.Callback] = []

@@ -33,9 +33,10 @@ docs: venv
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 	@echo "open site/index.html"
 
-# Two test processes (CI has 2 cores): 5 minutes instead of 8.
+# Two test processes (CI has 2 cores), each with one core's torch threads (tests/conftest.py);
+# idle workers steal queued tests, so a long test near the end does not leave one core idle.
 unit: venv
-	$(BIN)/pytest -q -n 2
+	$(BIN)/pytest -q -n 2 --dist worksteal
 
 test: lint typecheck docs-check unit
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
+from lightning_iocatch.store.training import INDEX
 from tests.conftest import Counter, RowLinear, hook_count
 
 WIDTH = 8
@@ -170,3 +171,21 @@ class SAE(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.decoder(torch.relu(self.encoder(h)))
+
+
+class IndexRecorder(pl.LightningModule):
+    """Trains a ``Linear(8, 1)`` on ``batch[key]`` of a store's rows and records the dataset
+    indices (``StoreRows(with_indices=True)``'s entry) of every training batch, by epoch."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+        self.layer = nn.Linear(8, 1)
+        self.seen: dict[int, list[list[int]]] = {}
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.seen.setdefault(self.current_epoch, []).append(batch[INDEX].tolist())
+        return self.layer(batch[self.key]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -20,27 +20,11 @@ KEYS = ["model.layers.1/outputs", "head/inputs/args/0"]
 
 def main(store: Path, out: Path, start_method: str) -> None:
     import lightning.pytorch as pl
-    import torch
-    from torch import nn
     from torch.utils.data import DataLoader
 
     from lightning_iocatch.lightning.datamodule import StoreDataModule
     from lightning_iocatch.store.training import INDEX, StoreRows
-
-    class Recorder(pl.LightningModule):
-        """Records the dataset indices of every training batch, by epoch."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.Linear(8, 1)
-            self.seen: dict[int, list[list[int]]] = {}
-
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            self.seen.setdefault(self.current_epoch, []).append(batch[INDEX].tolist())
-            return self.layer(batch[KEYS[0]]).pow(2).mean()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
+    from tests.lightning_models import IndexRecorder
 
     pl.seed_everything(0)
     data = StoreDataModule(
@@ -53,7 +37,7 @@ def main(store: Path, out: Path, start_method: str) -> None:
         seed=7,
         with_indices=True,
     )
-    module = Recorder()
+    module = IndexRecorder(KEYS[0])
     run = pl.Trainer(
         accelerator="cpu",
         devices=2,

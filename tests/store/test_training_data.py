@@ -31,7 +31,7 @@ from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.training import INDEX, StoreRows
 from lightning_iocatch.store.writer import ShardWriter
 from tests.conftest import run_script
-from tests.lightning_models import TinyModule, loader, trainer
+from tests.lightning_models import IndexRecorder, TinyModule, loader, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
 
@@ -279,28 +279,12 @@ def test_bad_arguments_are_named(
 # Inside Trainer.fit: a new order every epoch, every row once; DDP
 
 
-class Recorder(pl.LightningModule):
-    """Records the dataset indices of every training batch, by epoch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(8, 1)
-        self.seen: dict[int, list[list[int]]] = {}
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        self.seen.setdefault(self.current_epoch, []).append(batch[INDEX].tolist())
-        return self.layer(batch[KEYS[0]]).pow(2).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
 def test_fit_reads_every_row_once_per_epoch_in_a_new_order(
     dumped: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     options: dict[str, Any] = {"batch_size": 4, "shuffle_rows": 12, "seed": 3, "with_indices": True}
     data = StoreDataModule(dumped, KEYS, num_workers=2, persistent_workers=True, **options)
-    module = Recorder()
+    module = IndexRecorder(KEYS[0])
     run = trainer([], max_epochs=3)
     run.fit(module, datamodule=data)
     assert type(run.train_dataloader).__name__ == "EpochLoader"

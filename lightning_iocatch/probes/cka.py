@@ -35,9 +35,10 @@ class LayerCKA(_ProbeMetric):
     order: a key missing from a batch, or whose width changes, is dropped from then on,
     never paired with another tensor. Each batch takes the usable tensors of the mapping
     (see :func:`usable`) without the rows flagged in ``repeated``. With ``tokens``, a bool
-    ``(batch, seq)`` mask of real tokens, a tensor whose first two dimensions are the
-    mask's is pooled over the real tokens only; a sample without a real token is left out
-    of every tensor, as a ``repeated`` one is, so every pair has the same samples.
+    ``(batch, seq)`` mask of real tokens, a tensor of at least three dimensions whose
+    first two are the mask's is pooled over the real tokens only; a sample without a real
+    token is left out of every tensor, as a ``repeated`` one is, so every pair has the
+    same samples.
 
     Examples:
         >>> cka = LayerCKA()

@@ -77,11 +77,11 @@ class LinearProbe(_ProbeMetric):
 
     Takes floating tensors with a batch dimension (see :func:`usable`), without the rows
     flagged in ``repeated``. With ``tokens``, a bool ``(batch, seq)`` mask of real tokens,
-    a tensor whose first two dimensions are the mask's is pooled over the real tokens only
-    (``pool="last"``: each sample's last real token, under right or left padding); a
-    sample without a real token is left out, as a ``repeated`` one is. The pooled width
-    must stay the same: a tensor whose width changes between batches (or processes)
-    reports NaN, with a warning.
+    a tensor of at least three dimensions whose first two are the mask's is pooled over
+    the real tokens only (``pool="last"``: each sample's last real token, under right or
+    left padding); a sample without a real token is left out, as a ``repeated`` one is.
+    The pooled width must stay the same: a tensor whose width changes between batches (or
+    processes) reports NaN, with a warning.
 
     Examples:
         >>> _ = torch.manual_seed(0)

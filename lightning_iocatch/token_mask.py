@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["checked_mask", "kept_tokens", "masks", "real_tokens"]
+__all__ = ["checked_mask", "kept_tokens", "masks", "real_tokens", "token_coordinates"]
 
 MaskFn = Callable[[Any], torch.Tensor]
 
@@ -93,6 +93,38 @@ def kept_tokens(
     if ids is not None and drop_token_ids:
         keep &= ~torch.isin(ids, torch.tensor(drop_token_ids, device=ids.device))
     return keep, ids, start
+
+
+def token_coordinates(
+    batch: Any,
+    mask: torch.Tensor,
+    *,
+    padding: MaskFn | None = None,
+    token_ids: MaskFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each token's position in its sequence and its id, as token rows record them.
+
+    Returns ``(positions, ids)``, both ``(batch, seq)`` int64 on the mask's device: the
+    column minus the sequence's first real column (where the padding mask, ``padding(batch)``
+    or the batch's ``attention_mask``, is first 1; column 0 without one), and the token ids
+    (``token_ids(batch)`` or the batch's ``input_ids``; ``None`` where it has none).
+
+    Examples:
+        >>> batch = {"input_ids": torch.tensor([[0, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1]])}
+        >>> positions, ids = token_coordinates(batch, batch["attention_mask"] != 0)
+        >>> positions.tolist(), ids.tolist()
+        ([[-1, 0, 1]], [[0, 5, 6]])
+    """  # noqa: E501
+    start = _first_real_token(batch, mask, padding, drop_first=False)
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    positions = columns[None, :] - start[:, None]
+    ids = _token_ids(batch, token_ids, needed=False)
+    if ids is not None and tuple(ids.shape) != tuple(mask.shape):
+        raise ValueError(
+            f"the token ids have shape {tuple(ids.shape)}, the mask of real tokens "
+            f"{tuple(mask.shape)}; they must be the same (batch, seq)"
+        )
+    return positions, None if ids is None else ids.to(mask.device, torch.int64)
 
 
 def _mask(batch: Any, mask: MaskFn | None) -> torch.Tensor:

@@ -52,12 +52,16 @@ from lightning_iocatch.probes.base import POOLS, pool_features, usable
 from lightning_iocatch.probes.cka import LayerCKA
 from lightning_iocatch.probes.linear import LinearProbe
 from lightning_iocatch.probes.stats import ActivationStats
+from lightning_iocatch.probes.unit_summary import UnitSummary
+from lightning_iocatch.probes.units import UnitActivations
 
 __all__ = [
     "POOLS",
     "ActivationStats",
     "LayerCKA",
     "LinearProbe",
+    "UnitActivations",
+    "UnitSummary",
     "pool_features",
     "usable",
 ]

@@ -1,0 +1,4 @@
+"""Reports a person looks at: files written from results and stores, no Lightning.
+
+Imported by the command line only (and by you): the Lightning adapter never imports it.
+"""

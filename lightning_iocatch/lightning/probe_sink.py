@@ -14,9 +14,17 @@ from torchmetrics import Metric
 
 from lightning_iocatch.capture.keys import flatten_captures, flatten_value
 from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink
-from lightning_iocatch.probes.base import _gather_objects, _most_common_rows, _samples, usable
+from lightning_iocatch.probes.base import (
+    _gather_objects,
+    _most_common_rows,
+    _samples,
+    masked_by,
+    usable,
+)
+from lightning_iocatch.probes.unit_summary import UnitSummary
+from lightning_iocatch.probes.units import UnitActivations
 from lightning_iocatch.store.tokens import TokenRows
-from lightning_iocatch.token_mask import checked_mask, real_tokens
+from lightning_iocatch.token_mask import checked_mask, real_tokens, token_coordinates
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -67,14 +75,21 @@ class ProbeSink(CaptureSink):
             if not isinstance(probe, Metric) or not hasattr(probe, "per_tensor"):
                 raise TypeError(
                     "`probes` takes lightning_iocatch.probes metrics (ActivationStats, "
-                    f"LinearProbe, LayerCKA), got {type(probe).__name__}"
+                    f"LinearProbe, LayerCKA, UnitActivations), got {type(probe).__name__}"
                 )
+        named = [p.name for p in probes if isinstance(p, UnitActivations)]
+        if len(set(named)) < len(named):
+            raise ValueError(
+                f"two UnitActivations probes share a name ({sorted(named)}): give each its "
+                "own `name=`, which names its logged values and summaries"
+            )
         self.probes = list(probes)
         self.tokens = tokens
         self._real_tokens = _token_rule(tokens)
         self._metrics: dict[tuple[int, str, int], Metric] = {}
         self._unbatched: set[tuple[int, str]] = set()  # (dataloader_idx, key)
         self.last_values: dict[str, float] = {}
+        self.summaries: dict[str, UnitSummary] = {}  # of UnitActivations, by key
         self.history: dict[str, list[tuple[int, float]]] = {}  # name -> (epoch, value)
         self._device = torch.device("cpu")  # the LightningModule's, from each loop start
 
@@ -98,6 +113,7 @@ class ProbeSink(CaptureSink):
             return  # padding only: these samples are counted where they are not padding
         indices = batch.indices
         tokens = self._tokens(batch.batch, samples)
+        coordinates = self._coordinates(batch.batch, tokens)
         features: dict[str, torch.Tensor] = {}
         for key, tensor in flat.items():
             if usable(tensor, samples):
@@ -108,8 +124,16 @@ class ProbeSink(CaptureSink):
             if probe.per_tensor:
                 for key, tensor in features.items():
                     metric = self._metric((batch.dataloader_idx, key, position))
+                    extra = {}
+                    if getattr(probe, "wants_coordinates", False) and masked_by(tensor, tokens):
+                        extra = coordinates
                     metric.update(
-                        tensor, batch=batch.batch, indices=indices, repeated=repeated, tokens=tokens
+                        tensor,
+                        batch=batch.batch,
+                        indices=indices,
+                        repeated=repeated,
+                        tokens=tokens,
+                        **extra,
                     )
             else:
                 metric = self._metric((batch.dataloader_idx, "", position))
@@ -130,6 +154,18 @@ class ProbeSink(CaptureSink):
             )
         return mask.to(self._device)
 
+    def _coordinates(self, batch: Any, tokens: torch.Tensor | None) -> dict[str, Any]:
+        """The masked tokens' positions and ids, for probes that name examples (computed
+        once per batch where one does; as a dump with the same ``TokenRows`` records them)."""
+        wanted = any(getattr(probe, "wants_coordinates", False) for probe in self.probes)
+        if not wanted or tokens is None:
+            return {}  # such a probe finds them in the batch itself
+        rule = self.tokens if isinstance(self.tokens, TokenRows) else TokenRows()
+        positions, ids = token_coordinates(
+            batch, tokens, padding=rule.padding, token_ids=rule.token_ids
+        )
+        return {"positions": positions, "token_ids": ids}
+
     def on_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage not in self.STAGES:
             return
@@ -144,10 +180,14 @@ class ProbeSink(CaptureSink):
             with warnings.catch_warnings():  # a slot created here was never updated
                 warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric")
                 values = metric.compute()  # syncs across processes
+            suffix = f"/dataloader_idx_{dataloader_idx}" if several else ""
+            if isinstance(values, UnitSummary):
+                label = getattr(metric, "name", "units")
+                self.summaries[f"{key}/{label}{suffix}"] = values.with_key(key)
+                values = {f"{label}/{stat}": value for stat, value in values.scalars().items()}
             for stat, value in values.items():
                 name = f"iocatch/{key}/{stat}" if key else f"iocatch/{stat}"
-                if several:
-                    name += f"/dataloader_idx_{dataloader_idx}"
+                name += suffix
                 number = float(value)
                 self.last_values[name] = number
                 self.history.setdefault(name, []).append((trainer.current_epoch, number))

@@ -17,7 +17,7 @@ and the batch beats none; only the units the batch can change are ranked.
 Examples:
     >>> rows = Rows(torch.tensor([[1.0], [3.0], [3.0]]), torch.tensor([7, 5, 9]), torch.tensor([-1, -1, -1]))
     >>> top = update_top(empty_top(1, k=2, width=0), rows)
-    >>> top.values.tolist(), top.index.tolist()  # the tie at 3.0: index 5 before 9
+    >>> top.values.tolist(), top.indices.tolist()  # the tie at 3.0: index 5 before 9
     ([[3.0, 3.0]], [[5, 9]])
 """  # noqa: E501
 
@@ -40,8 +40,8 @@ class Rows(NamedTuple):
     of the same index at neighbouring positions."""
 
     values: Tensor
-    index: Tensor
-    position: Tensor
+    indices: Tensor
+    positions: Tensor
     ids: Tensor | None = None
 
 
@@ -55,8 +55,8 @@ class Top(NamedTuple):
     """
 
     values: Tensor
-    index: Tensor
-    position: Tensor
+    indices: Tensor
+    positions: Tensor
     context_ids: Tensor
     context_values: Tensor
 
@@ -108,10 +108,7 @@ def merge_tops(tops: Top) -> Top:
     """One top of the stacked tops ``(P, U, k, ...)`` of ``P`` processes or parts."""
     parts, units, k = tops.values.shape
     joined = Top(
-        *(
-            state.transpose(0, 1).reshape(units, parts * k, *state.shape[3:])
-            for state in tops
-        )
+        *(state.transpose(0, 1).reshape(units, parts * k, *state.shape[3:]) for state in tops)
     )
     return _ranked(joined, k)
 
@@ -122,13 +119,13 @@ class _Ordered(NamedTuple):
 
     order: Tensor
     sample: Tensor
-    position: Tensor
-    index: Tensor
+    positions: Tensor
+    indices: Tensor
     ids: Tensor | None
 
 
 def _ordered(rows: Rows) -> _Ordered:
-    index, position = rows.index, rows.position
+    index, position = rows.indices, rows.positions
     order = torch.argsort(position, stable=True)
     order = order[torch.argsort(index[order], stable=True)]
     index, position = index[order], position[order]
@@ -166,18 +163,22 @@ def _candidates(ordered: _Ordered, ranked: Tensor, raw: Tensor, picked: Tensor, 
     else:
         context_ids = torch.full((*picked.shape, 0), -1, device=ranked.device)
         context_values = context_ids.float()
-    slots = Top(chosen, ordered.index[picked], ordered.position[picked], context_ids, context_values)
+    slots = Top(
+        chosen, ordered.indices[picked], ordered.positions[picked], context_ids, context_values
+    )
     return _emptied(slots, empty) if bool(empty.any()) else slots
 
 
 def _neighbours(ordered: _Ordered, picked: Tensor, width: int) -> Tensor:
     """For each picked row, the sorted-row numbers of the same sample's tokens at
     positions ``-width .. width`` around it, -1 where that token is not among the rows."""
-    span = ordered.position.max() - ordered.position.min() + 2 * width + 1
-    base = ordered.position.min() - width
-    key = ordered.sample * span + (ordered.position - base)  # ascending: rows are sorted
+    span = ordered.positions.max() - ordered.positions.min() + 2 * width + 1
+    base = ordered.positions.min() - width
+    key = ordered.sample * span + (ordered.positions - base)  # ascending: rows are sorted
     offsets = torch.arange(-width, width + 1, device=picked.device)
-    wanted = (ordered.sample[picked] * span + (ordered.position[picked] - base))[..., None] + offsets
+    wanted = (ordered.sample[picked] * span + (ordered.positions[picked] - base))[
+        ..., None
+    ] + offsets
     where = torch.searchsorted(key, wanted).clamp(max=key.numel() - 1)
     return torch.where(key[where] == wanted, where, -1)
 
@@ -201,16 +202,16 @@ def _joined(a: Top, b: Top) -> Top:
 
 def _ranked(joined: Top, k: int) -> Top:
     """The best ``k`` slots of each unit of ``joined``, in slot order, one slot per row."""
-    order = torch.argsort(joined.position, dim=1, stable=True)
-    order = order.gather(1, torch.argsort(joined.index.gather(1, order), dim=1, stable=True))
+    order = torch.argsort(joined.positions, dim=1, stable=True)
+    order = order.gather(1, torch.argsort(joined.indices.gather(1, order), dim=1, stable=True))
     value = joined.values.gather(1, order)
     order = order.gather(1, torch.argsort(value, dim=1, descending=True, stable=True))
     ranked = Top(*(_gather(state, order) for state in joined))
     # a row seen twice: same value, index and position, next to each other once sorted
     twice = (
-        (ranked.index[:, 1:] == ranked.index[:, :-1])
-        & (ranked.position[:, 1:] == ranked.position[:, :-1])
-        & (ranked.index[:, 1:] >= 0)
+        (ranked.indices[:, 1:] == ranked.indices[:, :-1])
+        & (ranked.positions[:, 1:] == ranked.positions[:, :-1])
+        & (ranked.indices[:, 1:] >= 0)
     )
     if bool(twice.any()):
         dropped = torch.cat([torch.zeros_like(twice[:, :1]), twice], dim=1)
@@ -231,8 +232,8 @@ def _emptied(top: Top, where: Tensor) -> Top:
     deep = where[:, :, None]
     return Top(
         torch.where(where, _EMPTY, top.values),
-        torch.where(where, -1, top.index),
-        torch.where(where, -1, top.position),
+        torch.where(where, -1, top.indices),
+        torch.where(where, -1, top.positions),
         torch.where(deep, -1, top.context_ids),
         torch.where(deep, torch.nan, top.context_values),
     )

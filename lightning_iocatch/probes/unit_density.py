@@ -14,7 +14,7 @@ Examples:
     ...                        threshold=0.0, log10_range=(0.0, 4.0))
     >>> state.active.tolist(), state.active_sum.tolist(), state.histogram.tolist()
     ([1, 2], [2.0, 110.0], [[1, 0, 0, 0], [0, 1, 1, 0]])
-"""  # noqa: E501
+"""
 
 from __future__ import annotations
 
@@ -66,6 +66,4 @@ def update_density(
         magnitude = torch.where(value > 0, value, 0).log10()  # -inf for zero and below
         slot = ((magnitude - low) / width).clamp(0, bins - 1).floor().long()
         histogram = histogram + torch.bincount(unit * bins + slot, minlength=units * bins)
-    return Density(
-        state.rows + values.shape[0], active, active_sum, histogram.view(units, bins)
-    )
+    return Density(state.rows + values.shape[0], active, active_sum, histogram.view(units, bins))

@@ -121,7 +121,8 @@ class UnitSummary:
         Examples:
             >>> from lightning_iocatch.probes import UnitActivations
             >>> probe = UnitActivations(k=0)
-            >>> probe.update(torch.tensor([[1.0, 0.0, 0.0]] * 99 + [[1.0, 1.0, 0.0]]))  # densities 1, 0.01, 0
+            >>> rows = torch.tensor([[1.0, 0.0, 0.0]] * 99 + [[1.0, 1.0, 0.0]])
+            >>> probe.update(rows)  # densities 1, 0.01 and 0
             >>> counts, edges, dead = probe.compute().density_histogram(per_decade=1)
             >>> counts.tolist(), edges.tolist(), dead
             ([1, 1], [-2.0, -1.0, 0.0], 1)
@@ -185,10 +186,13 @@ class UnitSummary:
         Raises:
             ValueError: the file is not a saved summary.
         """
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(os.fspath(path), "pt") as handle:
-            header = handle.metadata() or {}
+        try:
+            with safe_open(os.fspath(path), "pt") as handle:
+                header = handle.metadata() or {}
+        except SafetensorError as error:
+            raise ValueError(f"{os.fspath(path)!r} is not a safetensors file: {error}") from None
         try:
             settings = json.loads(header["settings"])
             if settings.get("format") != FORMAT:
@@ -216,4 +220,3 @@ class UnitSummary:
             if f.name in ("key", "rows", "threshold", "above")
         )
         return f"UnitSummary(units={self.units}, k={self.k}, window={self.window}, {shown})"
-

@@ -51,7 +51,13 @@ class UnitActivations(_ProbeMetric):
         log10_range: the range of the histogram of log10 active values, in decades.
         bins: the histogram's number of equal bins.
         index: ``index(batch)`` gives each sample's dataset index where the loop does
-            not know it (a shuffled validation loader), e.g. ``lambda batch: batch["index"]``.
+            not know it (a shuffled validation loader; ``indices`` win where known), e.g.
+            ``lambda batch: batch["index"]``.
+        of: a module or function applied to the values first (under ``torch.no_grad``),
+            keeping their leading dimensions: e.g. a sparse autoencoder's encoder, to
+            follow its latents. A module moves with the probe (``.to(device)``).
+        name: the probe's name in logged names and ``capture.probes.summaries``
+            (``{key}/{name}``): give two such probes of one value different names.
 
     Examples:
         >>> probe = UnitActivations(k=2, window=1)
@@ -65,6 +71,10 @@ class UnitActivations(_ProbeMetric):
     """
 
     wants_coordinates: ClassVar[bool] = True
+    rows: Tensor
+    active: Tensor
+    active_sum: Tensor
+    histogram: Tensor
 
     def __init__(
         self,
@@ -75,12 +85,14 @@ class UnitActivations(_ProbeMetric):
         log10_range: tuple[float, float] = (-4.0, 3.0),
         bins: int = 70,
         index: Callable[[Any], Any] | None = None,
+        of: Callable[[Tensor], Tensor] | None = None,
+        name: str = "units",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        for name, value in (("k", k), ("window", window), ("bins", bins)):
+        for option, value in (("k", k), ("window", window), ("bins", bins)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
+                raise ValueError(f"`{option}` must be a non-negative int, got {value!r}")
         low, high = (float(edge) for edge in log10_range)
         if not low < high or bins < 1:
             raise ValueError(
@@ -89,13 +101,16 @@ class UnitActivations(_ProbeMetric):
             )
         if index is not None and not callable(index):
             raise TypeError(f"`index` must be a function of the batch, got {index!r:.60}")
-        self.k, self.window, self.bins, self.index = k, window, bins, index
+        if of is not None and not callable(of):
+            raise TypeError(f"`of` must be a module or a function of the values, got {of!r:.60}")
+        self.k, self.window, self.bins, self.index, self.of = k, window, bins, index, of
+        self.name = name
         self.above = None if above is None else float(above)
         self.threshold, self.log10_range = float(threshold), (low, high)
-        for name, state in zip(_TOP, empty_top(0, k, window), strict=True):
-            self.add_state(name, state, dist_reduce_fx=None)  # stacked, merged in compute
-        for name, state in zip(_DENSITY, empty_density(0, bins), strict=True):
-            self.add_state(name, state, dist_reduce_fx="sum")
+        for state_name, state in zip(_TOP, empty_top(0, k, window), strict=True):
+            self.add_state(state_name, state, dist_reduce_fx=None)  # stacked, merged in compute
+        for state_name, state in zip(_DENSITY, empty_density(0, bins), strict=True):
+            self.add_state(state_name, state, dist_reduce_fx="sum")
 
     def update(
         self,
@@ -122,6 +137,18 @@ class UnitActivations(_ProbeMetric):
         if not isinstance(features, Tensor) or not features.is_floating_point():
             raise ValueError(f"UnitActivations takes floating tensors, got {features!r:.80}")
         values = features.detach()
+        if self.of is not None:
+            with torch.no_grad():
+                values = self.of(values)
+            if (
+                not isinstance(values, Tensor)
+                or values.shape[: features.dim() - 1] != features.shape[:-1]
+            ):
+                shown = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+                raise ValueError(
+                    f"UnitActivations(of=...) must keep the leading dimensions of the values "
+                    f"{tuple(features.shape[:-1])}, got {shown}"
+                )
         values = values[:, None] if values.dim() == 1 else values
         rows = self._rows(values, batch, indices, repeated, tokens, positions, token_ids)
         self._take(rows)
@@ -145,24 +172,40 @@ class UnitActivations(_ProbeMetric):
             where = slice(None) if keep is None else keep
             position = _per_row(positions, samples, values.device, default=-1)
             ids = None if token_ids is None else _per_row(token_ids, samples, values.device)
-            return Rows(values[where], index[where], position[where], None if ids is None else ids[where])
+            return Rows(
+                values[where], index[where], position[where], None if ids is None else ids[where]
+            )
         seq = values.shape[1]
         values = values.reshape(samples, seq, -1)
         real = tokens if masked_by(values, tokens) else None
-        mask = torch.ones(samples, seq, dtype=torch.bool, device=values.device) if real is None else real
+        mask = (
+            torch.ones(samples, seq, dtype=torch.bool, device=values.device)
+            if real is None
+            else real
+        )
         if positions is None or (token_ids is None and self.window):
             found_positions, found_ids = token_coordinates(batch, mask)
             positions = found_positions if positions is None else positions
             token_ids = found_ids if token_ids is None else token_ids
+        for name, given in (("positions", positions), ("token_ids", token_ids)):
+            if given is not None and tuple(given.shape) != (samples, seq):
+                raise ValueError(
+                    f"UnitActivations: `{name}` has shape {tuple(given.shape)} for values of "
+                    f"(batch, seq) = {(samples, seq)}"
+                )
         counted = mask if keep is None else mask & keep[:, None]
         sample, column = counted.nonzero(as_tuple=True)
         ids = None if token_ids is None else token_ids.to(values.device)[sample, column]
-        return Rows(values[sample, column], index[sample], positions.to(values.device)[sample, column], ids)
+        return Rows(
+            values[sample, column], index[sample], positions.to(values.device)[sample, column], ids
+        )
 
     def _index(self, batch: Any, indices: Any, samples: int, device: torch.device) -> Tensor:
-        """Each sample's dataset index: ``index(batch)``, else ``indices``; when neither
-        is known (only allowed with ``k=0``), -1."""
-        found = self.index(batch) if self.index is not None else indices
+        """Each sample's dataset index: ``indices`` where known, else ``index(batch)``; when
+        neither is known (only allowed with ``k=0``), -1."""
+        found = indices
+        if found is None and self.index is not None and batch is not None:
+            found = self.index(batch)
         if found is None:
             if self.k:
                 raise ValueError(
@@ -212,7 +255,9 @@ class UnitActivations(_ProbeMetric):
     def _align(self, layouts: list[int]) -> None:
         widths = sorted({units for units in layouts if units})
         if len(widths) > 1:
-            raise ValueError(f"UnitActivations: the processes saw {widths} units; one value, one width")
+            raise ValueError(
+                f"UnitActivations: the processes saw {widths} units; one value, one width"
+            )
         if widths and self.active.shape[0] == 0:
             self._set(empty_top(widths[0], self.k, self.window, self.active.device))
             self._set(empty_density(widths[0], self.bins, self.active.device))
@@ -228,8 +273,8 @@ class UnitActivations(_ProbeMetric):
             active_sum=self.active_sum,
             histogram=self.histogram,
             top_values=values,
-            top_index=top.index,
-            top_position=top.position,
+            top_index=top.indices,
+            top_position=top.positions,
             context_ids=top.context_ids,
             context_values=top.context_values,
             threshold=self.threshold,
@@ -243,5 +288,7 @@ def _per_row(given: Tensor | None, rows: int, device: torch.device, default: int
         return torch.full((rows,), default, dtype=torch.int64, device=device)
     found = torch.as_tensor(given).reshape(-1).to(device, torch.int64)
     if found.shape[0] != rows:
-        raise ValueError(f"UnitActivations: {found.shape[0]} positions or token ids for {rows} rows")
+        raise ValueError(
+            f"UnitActivations: {found.shape[0]} positions or token ids for {rows} rows"
+        )
     return found

@@ -21,14 +21,16 @@ from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.coverage import gaps, listed, refuse_duplicates, sample_array
-from lightning_iocatch.store.names import POSITION_KEY
+from lightning_iocatch.store.names import POSITION_KEY, TOKEN_ID_KEY
 from lightning_iocatch.store.progress import progress_bar, show_progress
 from lightning_iocatch.store.sample_rows import RowLookup, SampleRows, as_indices
 from lightning_iocatch.store.stored_batches import (
     CommittedShard,
+    RowBatch,
     StoredBatch,
     first_commits,
     read_key,
+    read_row_batches,
     stored_batches,
 )
 from lightning_iocatch.suggest import close_names
@@ -287,6 +289,21 @@ class FeatureStore:
                 yield indices.unique_consecutive(), tensor
             else:
                 yield indices, batch.kept(tensor)
+
+    def row_batches(self, key: str) -> Iterator[RowBatch]:
+        """Yield each stored batch of ``key``'s rows with their coordinates, in commit order:
+        ``RowBatch(indices, positions, token_ids, rows)`` (``positions``, ``token_ids``: ``None``
+        where the store has none). A sample's token rows all come in one batch, in
+        position order: one pass reads each row once with its neighbours."""
+        self._check_key(key)
+        self._refuse_unless_rows(key, any_shape=True)
+        holders = self._holders(key)
+        coordinates = [
+            name
+            for name in (POSITION_KEY, TOKEN_ID_KEY)
+            if name != key and all(name in batch.keys for batch in holders)
+        ]
+        yield from read_row_batches(holders, key, coordinates)
 
     def _refuse_unless_rows(self, key: str, *, any_shape: bool = False) -> None:
         holders = self._holders(key)

@@ -21,7 +21,7 @@ import itertools
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from lightning_iocatch.store.backends.base import Shard
 from lightning_iocatch.store.backends.safetensors_layout import Span
 from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.index_set import IndexSet
-from lightning_iocatch.store.names import INDEX_KEY
+from lightning_iocatch.store.names import INDEX_KEY, POSITION_KEY, TOKEN_ID_KEY
 from lightning_iocatch.store.records import BatchRecord, IndexSummary, ShardRecord
 from lightning_iocatch.store.shard_file import READABLE_CODES, dtype_name
 
@@ -286,18 +286,50 @@ def read_key(
     """``(batch, indices, tensor)`` of each of ``batches`` (in commit order, all holding
     ``key``): the dataset indices of the rows it reads, checked, and ``key`` whole; each
     shard opened once."""
+    for batch, indices, tensors in read_keys(batches, (key,)):
+        yield batch, indices, tensors[key]
+
+
+def read_keys(
+    batches: Sequence[StoredBatch], keys: Sequence[str]
+) -> Iterator[tuple[StoredBatch, torch.Tensor, dict[str, torch.Tensor]]]:
+    """:func:`read_key` of several keys, all held by every batch, read together."""
     for source, group in itertools.groupby(batches, key=lambda b: b.source):
         held = list(group)
-        names = [f"b{b.position}/{name}" for b in held for name in (INDEX_KEY, key)]
+        names = [f"b{b.position}/{name}" for b in held for name in (INDEX_KEY, *keys)]
         tensors = source.read(names)
         for batch in held:
             index = tensors[f"b{batch.position}/{INDEX_KEY}"]
-            tensor = tensors[f"b{batch.position}/{key}"]
+            found = {key: tensors[f"b{batch.position}/{key}"] for key in keys}
             batch.check_index(index)
-            rows = key in batch.per_batch or (tensor.dim() and len(tensor) == batch.rows)
-            if not rows:  # the header was checked: the file changed since
-                raise StoreError(f"shard {source} changed while it was read")
-            yield batch, batch.kept(index), tensor
+            for key, tensor in found.items():
+                rows = key in batch.per_batch or (tensor.dim() and len(tensor) == batch.rows)
+                if not rows:  # the header was checked: the file changed since
+                    raise StoreError(f"shard {source} changed while it was read")
+            yield batch, batch.kept(index), found
+
+
+class RowBatch(NamedTuple):
+    """One stored batch of a key's rows with their coordinates (see
+    :meth:`~lightning_iocatch.FeatureStore.row_batches`): each row's dataset index
+    (``indices``), token ``positions`` and ``token_ids`` (``None`` where the store has
+    none), and the ``rows``."""
+
+    indices: torch.Tensor
+    positions: torch.Tensor | None
+    token_ids: torch.Tensor | None
+    rows: torch.Tensor
+
+
+def read_row_batches(
+    batches: Sequence[StoredBatch], key: str, coordinates: Sequence[str]
+) -> Iterator[RowBatch]:
+    """Each of ``batches``' rows of ``key`` with the ``coordinates`` keys it holds of
+    ``(POSITION_KEY, TOKEN_ID_KEY)``, the rows read only (see :meth:`StoredBatch.kept`)."""
+    for batch, indices, tensors in read_keys(batches, (key, *coordinates)):
+        kept = {name: batch.kept(tensor) for name, tensor in tensors.items()}
+        position, token_id = (kept.get(name) for name in (POSITION_KEY, TOKEN_ID_KEY))
+        yield RowBatch(indices, position, token_id, kept[key])
 
 
 def check_header(

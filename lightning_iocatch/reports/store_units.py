@@ -1,0 +1,93 @@
+"""Unit statistics over a store: a :class:`~lightning_iocatch.probes.UnitActivations`
+fed every stored row of a key once, each sample's tokens together.
+
+Examples:
+    >>> import tempfile
+    >>> from lightning_iocatch.store.plan import prepare_store
+    >>> from lightning_iocatch.store.writer import ShardWriter
+    >>> path = tempfile.mkdtemp() + "/store"
+    >>> writer = ShardWriter(path, rank=0, plan=prepare_store(path, "create", {"spec": None}))
+    >>> writer.write({"h": torch.tensor([[1.0, 0.0], [3.0, 2.0]])}, indices=[4, 5])
+    2
+    >>> writer.close()
+    >>> summary = summarize_store(path, "h", UnitActivations(k=1, window=0))
+    >>> summary.top_index.tolist(), summary.density().tolist()
+    ([[5], [5]], [1.0, 0.5])
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from lightning_iocatch.probes.unit_summary import UnitSummary
+from lightning_iocatch.probes.units import UnitActivations
+from lightning_iocatch.store.reader import FeatureStore
+
+__all__ = ["summarize_store"]
+
+
+def summarize_store(
+    store: FeatureStore | str | os.PathLike[str],
+    key: str,
+    probe: UnitActivations | None = None,
+    *,
+    rows_per_step: int = 8192,
+    storage_options: dict[str, Any] | None = None,
+) -> UnitSummary:
+    """``probe`` (default ``UnitActivations()``) over every row of ``key`` in ``store``.
+
+    Reads each stored batch once, in commit order (:meth:`FeatureStore.row_batches`),
+    and feeds it in steps of about ``rows_per_step`` rows cut between samples, so a
+    sample's tokens (and an example's window) are always seen together. Token rows
+    carry their dataset index, position and token id; a store of one row per sample
+    gives examples without positions. The result does not depend on the batches the
+    store was written in, nor on ``rows_per_step``.
+
+    Args:
+        store: a :class:`~lightning_iocatch.FeatureStore`, or the path or URL of one.
+        key: a key with one row per token or sample (``store.keys()``).
+        probe: the probe to feed (its settings: ``k``, ``window``, ``of=`` an encoder...);
+            it is reset first.
+        rows_per_step: rows given to the probe at a time (memory: this many rows of the
+            probe's units, e.g. an encoder's latents).
+        storage_options: fsspec options when ``store`` is a URL.
+    """
+    if not isinstance(store, FeatureStore):
+        store = FeatureStore(store, storage_options=storage_options)
+    probe = UnitActivations() if probe is None else probe
+    if not isinstance(probe, UnitActivations):
+        raise TypeError(f"`probe` must be a UnitActivations, got {type(probe).__name__}")
+    if rows_per_step < 1:
+        raise ValueError(f"`rows_per_step` must be at least 1, got {rows_per_step}")
+    probe.reset()
+    for batch in store.row_batches(key):
+        for start, stop in _steps(batch.indices, rows_per_step):
+            probe.update(
+                batch.rows[start:stop],
+                indices=batch.indices[start:stop],
+                positions=None if batch.positions is None else batch.positions[start:stop],
+                token_ids=None if batch.token_ids is None else batch.token_ids[start:stop],
+            )
+    return probe.compute().with_key(key)
+
+
+def _steps(index: torch.Tensor, size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` row ranges of about ``size`` rows (more for a longer sample),
+    never cutting a run of equal ``index`` (a sample's tokens)."""
+    rows = index.shape[0]
+    if rows <= size:
+        return [(0, rows)]
+    changes = (index[1:] != index[:-1]).nonzero().squeeze(1) + 1
+    bounds = torch.cat([changes, torch.tensor([rows])])  # where each sample ends
+    steps, start = [], 0
+    while start < rows:
+        last = int(torch.searchsorted(bounds, start + size, right=True)) - 1
+        stop = int(bounds[last]) if last >= 0 else 0
+        if stop <= start:  # one sample longer than a step: it is the step
+            stop = int(bounds[int(torch.searchsorted(bounds, start, right=True))])
+        steps.append((start, stop))
+        start = stop
+    return steps

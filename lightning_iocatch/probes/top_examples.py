@@ -11,8 +11,8 @@ has value ``-inf`` and index -1; NaN and ``-inf`` activations never fill a slot,
 with ``above``, values at or below it. A row seen twice (the same index and position,
 e.g. padding a sampler repeats) fills one slot.
 
-Each batch costs one pass over its values (the column maxima) while the slots are full
-and the batch beats none; only the units the batch can change are ranked.
+Each batch costs one pass over its values (those at or above each unit's last slot, or
+``above``) and a sort of the values found; once the slots are full few are.
 
 Examples:
     >>> rows = Rows(torch.tensor([[1.0], [3.0], [3.0]]), torch.tensor([7, 5, 9]), torch.tensor([-1, -1, -1]))
@@ -74,34 +74,119 @@ def empty_top(units: int, k: int, width: int, device: torch.device | None = None
 
 
 def update_top(top: Top, rows: Rows, above: float | None = None) -> Top:
-    """``top`` with the rows of one batch taken in (``top`` has the rows' unit count).
+    """``top`` with the rows of one batch taken in (``top`` has the rows' unit count),
+    updated in place.
 
-    ``above``: only values greater than it fill slots. Rows may come in any order.
+    ``above``: only values greater than it fill slots. Rows may come in any order; a
+    sample's rows must all be in the batch for its windows to be whole.
     """
     units, k = top.values.shape
     if rows.values.shape[0] == 0 or k == 0 or units == 0:
         return top
     values = rows.values if rows.values.dtype == torch.float64 else rows.values.float()
-    floor = top.values[:, -1]  # -inf while a unit has an empty slot
-    if above is not None:
-        floor = floor.clamp(min=above)
-    best = values.amax(0).double()
-    # a tie with the last slot may still win on its index: >= (> above, > -inf)
-    changed = (best >= floor) & (best > _EMPTY) | best.isnan()
-    if above is not None:
-        changed &= (best > above) | best.isnan()
-    units_changed = changed.nonzero().squeeze(1)
-    if units_changed.numel() == 0:
+    lowest = _lowest(top, values, above, k)
+    row, unit = (values >= lowest).nonzero(as_tuple=True)  # NaN never is
+    value = values[row, unit]
+    if bool(lowest.min() == _EMPTY):  # a column of -inf only: never an example
+        real = value > _EMPTY
+        row, unit, value = row[real], unit[real], value[real]
+    if row.numel() == 0:
         return top
     ordered = _ordered(rows)
-    raw = values[:, units_changed][ordered.order]
-    ranked = torch.where(raw.isnan(), _EMPTY, raw)
+    rank = torch.empty_like(ordered.order)
+    rank[ordered.order] = torch.arange(rank.numel(), device=rank.device)
+    changed, found = _best_pairs(rank[row], unit, value, units, k)  # (S, k) sorted rows
+    held = _select(top, changed)
+    empty = found < 0
+    picked = found.clamp(min=0)
+    new_values = torch.where(empty, _EMPTY, values[ordered.order[picked], changed[:, None]])
+    order, dropped = _best_order(
+        torch.cat([held.values, new_values.double()], 1),
+        torch.cat([held.indices, torch.where(empty, -1, ordered.indices[picked])], 1),
+        torch.cat([held.positions, torch.where(empty, -1, ordered.positions[picked])], 1),
+        k,
+    )
+    merged = _slots_from(held, order, dropped, ordered, values, changed, found)
+    return _replace(top, changed, merged)
+
+
+def _lowest(top: Top, values: Tensor, above: float | None, k: int) -> Tensor:
+    """Per unit, in ``values``' dtype, the lowest value of this batch that may still
+    fill a slot: the last slot's value (a tie may win on its index), or the next value
+    above ``above``; where neither binds, the batch's own ``k``-th best."""
+    lowest = top.values[:, -1].to(values.dtype)
     if above is not None:
-        ranked = torch.where(ranked > above, ranked, _EMPTY)
-    picked = _batch_best(ranked, k)  # (changed units, min(k, N)) sorted-row numbers
-    candidates = _candidates(ordered, ranked, raw, picked, top.context_ids.shape[2])
-    merged = _ranked(_joined(_select(top, units_changed), candidates), k)
-    return _replace(top, units_changed, merged)
+        bound = torch.tensor(above, dtype=torch.float64).to(values.dtype)
+        if float(bound) <= above:
+            bound = torch.nextafter(bound, torch.tensor(float("inf"), dtype=values.dtype))
+        lowest = lowest.clamp(min=bound)
+    blind = lowest == _EMPTY
+    if bool(blind.any()):
+        part = values[:, blind].nan_to_num(nan=_EMPTY, posinf=float("inf"), neginf=_EMPTY)
+        lowest[blind] = part.topk(min(k, part.shape[0]), dim=0).values[-1]
+    return lowest
+
+
+def _best_pairs(
+    rank: Tensor, unit: Tensor, value: Tensor, units: int, k: int
+) -> tuple[Tensor, Tensor]:
+    """The units with candidates and, per such unit, its best ``k`` candidates by
+    (value desc, rank) as ``(S, k)`` sorted-row numbers, -1 where fewer."""
+    order = torch.argsort(rank, stable=True)
+    order = order[torch.argsort(value[order], descending=True, stable=True)]
+    order = order[torch.argsort(unit[order], stable=True)]
+    unit, rank = unit[order], rank[order]
+    counts = torch.bincount(unit, minlength=units)
+    starts = counts.cumsum(0) - counts
+    slot = torch.arange(unit.numel(), device=unit.device) - starts[unit]
+    kept = slot < k
+    unit, rank, slot = unit[kept], rank[kept], slot[kept]
+    changed = (counts > 0).nonzero().squeeze(1)
+    number = torch.full((units,), -1, dtype=torch.int64, device=unit.device)
+    number[changed] = torch.arange(changed.numel(), device=unit.device)
+    found = torch.full((changed.numel(), k), -1, dtype=torch.int64, device=unit.device)
+    found[number[unit], slot] = rank
+    return changed, found
+
+
+def _slots_from(
+    held: Top,
+    order: Tensor,
+    dropped: Tensor,
+    ordered: _Ordered,
+    values: Tensor,
+    units: Tensor,
+    found: Tensor,
+) -> Top:
+    """The slots ``order`` picks among ``held``'s (numbers below k) and the batch's
+    ``found`` rows (k and above), windows computed for the batch's alone."""
+    k = held.values.shape[1]
+    mine = order < k
+    own = order.clamp(max=k - 1)
+    row = found.gather(1, (order - k).clamp(min=0)).clamp(min=0)  # sorted-row numbers
+    new_values = values[ordered.order[row], units[:, None]].double()
+    slots = Top(
+        torch.where(mine, held.values.gather(1, own), new_values),
+        torch.where(mine, held.indices.gather(1, own), ordered.indices[row]),
+        torch.where(mine, held.positions.gather(1, own), ordered.positions[row]),
+        _gather(held.context_ids, own),
+        _gather(held.context_values, own),
+    )
+    span = held.context_ids.shape[2]
+    fresh = ~mine & (slots.values > _EMPTY)
+    if span and bool(fresh.any()):
+        at = row[fresh]
+        near = _neighbours(ordered, at, span // 2)  # (M, span), -1: no such token
+        inside = near >= 0
+        safe = near.clamp(min=0)
+        ids = ordered.ids
+        slots.context_ids[fresh] = (
+            torch.where(inside, ids[safe], -1) if ids is not None else near.clamp(max=-1)
+        )
+        unit = units[:, None].expand_as(fresh)[fresh]
+        near_values = values[ordered.order[safe], unit[:, None]].float()
+        slots.context_values[fresh] = torch.where(inside, near_values, torch.nan)
+    return _emptied(slots, dropped | (slots.values == _EMPTY))
 
 
 def merge_tops(tops: Top) -> Top:
@@ -110,12 +195,13 @@ def merge_tops(tops: Top) -> Top:
     joined = Top(
         *(state.transpose(0, 1).reshape(units, parts * k, *state.shape[3:]) for state in tops)
     )
-    return _ranked(joined, k)
+    order, dropped = _best_order(joined.values, joined.indices, joined.positions, k)
+    return _emptied(Top(*(_gather(state, order) for state in joined)), dropped)
 
 
 class _Ordered(NamedTuple):
     """A batch's rows sorted by (index, position): the order, and per sorted row its
-    sample number (0, 1, ... by index), position, token id and original row."""
+    sample number (0, 1, ... by index), position, dataset index and token id."""
 
     order: Tensor
     sample: Tensor
@@ -134,51 +220,15 @@ def _ordered(rows: Rows) -> _Ordered:
     return _Ordered(order, sample, position, index, ids)
 
 
-def _batch_best(values: Tensor, k: int) -> Tensor:
-    """Per column of ``values`` ``(N, S)`` (rows in tie order), the row numbers of its
-    ``min(k, N)`` best values, a tie at the last one going to the earlier rows."""
-    kk = min(k, values.shape[0])
-    last = values.topk(kk, dim=0).values[-1]
-    greater = values > last
-    equal = values == last
-    needed = kk - greater.sum(0)
-    chosen = greater | (equal & (equal.cumsum(0) <= needed))
-    return chosen.T.nonzero()[:, 1].view(values.shape[1], kk)
-
-
-def _candidates(ordered: _Ordered, ranked: Tensor, raw: Tensor, picked: Tensor, span: int) -> Top:
-    """The picked rows of each changed unit as slots, with their windows of the unit's
-    ``raw`` values (``ranked`` are those that may fill a slot, the others ``-inf``)."""
-    columns = torch.arange(ranked.shape[1], device=ranked.device)[:, None]
-    chosen = ranked[picked, columns].double()  # (S, kk)
-    empty = chosen == _EMPTY
-    if span:
-        near = _neighbours(ordered, picked, span // 2)  # (S, kk, span), -1: no such token
-        found = near >= 0
-        safe = near.clamp(min=0)
-        ids = ordered.ids
-        context_ids = torch.where(found, ids[safe], -1) if ids is not None else near.clamp(max=-1)
-        context_values = raw[safe, columns[:, :, None].expand_as(safe)].float()
-        context_values = torch.where(found, context_values, torch.nan)
-    else:
-        context_ids = torch.full((*picked.shape, 0), -1, device=ranked.device)
-        context_values = context_ids.float()
-    slots = Top(
-        chosen, ordered.indices[picked], ordered.positions[picked], context_ids, context_values
-    )
-    return _emptied(slots, empty) if bool(empty.any()) else slots
-
-
 def _neighbours(ordered: _Ordered, picked: Tensor, width: int) -> Tensor:
-    """For each picked row, the sorted-row numbers of the same sample's tokens at
+    """For each picked sorted row, the sorted-row numbers of the same sample's tokens at
     positions ``-width .. width`` around it, -1 where that token is not among the rows."""
     span = ordered.positions.max() - ordered.positions.min() + 2 * width + 1
     base = ordered.positions.min() - width
     key = ordered.sample * span + (ordered.positions - base)  # ascending: rows are sorted
     offsets = torch.arange(-width, width + 1, device=picked.device)
-    wanted = (ordered.sample[picked] * span + (ordered.positions[picked] - base))[
-        ..., None
-    ] + offsets
+    at = ordered.sample[picked] * span + (ordered.positions[picked] - base)
+    wanted = at[..., None] + offsets
     where = torch.searchsorted(key, wanted).clamp(max=key.numel() - 1)
     return torch.where(key[where] == wanted, where, -1)
 
@@ -188,37 +238,33 @@ def _select(top: Top, units: Tensor) -> Top:
 
 
 def _replace(top: Top, units: Tensor, part: Top) -> Top:
-    states = []
+    """``top`` with the slots of ``units`` replaced by ``part``'s, in place."""
     for state, new in zip(top, part, strict=True):
-        state = state.clone()
         state[units] = new
-        states.append(state)
-    return Top(*states)
+    return top
 
 
-def _joined(a: Top, b: Top) -> Top:
-    return Top(*(torch.cat([x, y], dim=1) for x, y in zip(a, b, strict=True)))
-
-
-def _ranked(joined: Top, k: int) -> Top:
-    """The best ``k`` slots of each unit of ``joined``, in slot order, one slot per row."""
-    order = torch.argsort(joined.positions, dim=1, stable=True)
-    order = order.gather(1, torch.argsort(joined.indices.gather(1, order), dim=1, stable=True))
-    value = joined.values.gather(1, order)
+def _best_order(
+    values: Tensor, indices: Tensor, positions: Tensor, k: int
+) -> tuple[Tensor, Tensor]:
+    """Per unit, the ``k`` best of its slots side by side, as slot numbers in slot order,
+    and which of them to empty: a row seen twice (same value, index and position, next
+    to each other once sorted) keeps its first."""
+    order = torch.argsort(positions, dim=1, stable=True)
+    order = order.gather(1, torch.argsort(indices.gather(1, order), dim=1, stable=True))
+    value = values.gather(1, order)
     order = order.gather(1, torch.argsort(value, dim=1, descending=True, stable=True))
-    ranked = Top(*(_gather(state, order) for state in joined))
-    # a row seen twice: same value, index and position, next to each other once sorted
+    index, position = indices.gather(1, order), positions.gather(1, order)
     twice = (
-        (ranked.indices[:, 1:] == ranked.indices[:, :-1])
-        & (ranked.positions[:, 1:] == ranked.positions[:, :-1])
-        & (ranked.indices[:, 1:] >= 0)
+        (index[:, 1:] == index[:, :-1])
+        & (position[:, 1:] == position[:, :-1])
+        & (index[:, 1:] >= 0)
     )
+    dropped = torch.cat([torch.zeros_like(twice[:, :1]), twice], dim=1)
     if bool(twice.any()):
-        dropped = torch.cat([torch.zeros_like(twice[:, :1]), twice], dim=1)
         first = torch.argsort(dropped.int(), dim=1, stable=True)  # kept slots first, in order
-        ranked = Top(*(_gather(state, first) for state in ranked))
-        ranked = _emptied(ranked, dropped.gather(1, first))
-    return Top(*(state[:, :k] for state in ranked))
+        order, dropped = order.gather(1, first), dropped.gather(1, first)
+    return order[:, :k], dropped[:, :k]
 
 
 def _gather(state: Tensor, order: Tensor) -> Tensor:
@@ -229,6 +275,8 @@ def _gather(state: Tensor, order: Tensor) -> Tensor:
 
 def _emptied(top: Top, where: Tensor) -> Top:
     """``top`` with the slots ``where`` made empty."""
+    if not bool(where.any()):
+        return top
     deep = where[:, :, None]
     return Top(
         torch.where(where, _EMPTY, top.values),

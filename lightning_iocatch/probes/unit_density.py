@@ -59,8 +59,8 @@ def update_density(
     step = max(1, _CHUNK // max(units, 1))
     for start in range(0, values.shape[0], step):
         chunk = values[start : start + step]
-        _, unit = (chunk > threshold).nonzero(as_tuple=True)
-        value = chunk[chunk > threshold].double()  # the same row-major order as nonzero
+        row, unit = (chunk > threshold).nonzero(as_tuple=True)
+        value = chunk[row, unit].double()
         active = active + torch.bincount(unit, minlength=units)
         active_sum = active_sum.index_add(0, unit, value)
         magnitude = torch.where(value > 0, value, 0).log10()  # -inf for zero and below

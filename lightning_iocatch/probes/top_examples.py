@@ -114,7 +114,7 @@ def _lowest(top: Top, values: Tensor, above: float | None, k: int) -> Tensor:
     """Per unit, in ``values``' dtype, the lowest value of this batch that may still
     fill a slot: the last slot's value (a tie may win on its index), or the next value
     above ``above``; where neither binds, the batch's own ``k``-th best."""
-    lowest = top.values[:, -1].to(values.dtype)
+    lowest = top.values[:, -1].to(values.dtype, copy=True)
     if above is not None:
         bound = torch.tensor(above, dtype=torch.float64).to(values.dtype)
         if float(bound) <= above:

@@ -40,6 +40,8 @@ def random_rows(seed: int):
         values = rng.normal(size=(rows, units)).astype(np.float32)
     if seed % 4 == 0:
         values[rng.random(values.shape) < 0.1] = np.nan
+    if seed % 5 == 0:
+        values = values.astype(np.float64)
     index = rng.choice(rng.permutation(10_000)[:20], size=rows)
     position = np.zeros(rows, dtype=np.int64)
     for sample in np.unique(index):

@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_iocatch.probes.unit_summary import UnitSummary
 from lightning_iocatch.probes.units import UnitActivations
@@ -46,6 +47,10 @@ def summarize_store(
     gives examples without positions. The result does not depend on the batches the
     store was written in, nor on ``rows_per_step``.
 
+    In several processes (``torch.distributed`` initialised, e.g. by a launcher or inside a
+    Lightning hook), call it in every process: each reads every ``world``-th stored batch
+    and the probe merges the processes' results, the same as one process's.
+
     Args:
         store: a :class:`~lightning_iocatch.FeatureStore`, or the path or URL of one.
         key: a key with one row per token or sample (``store.keys()``).
@@ -63,7 +68,9 @@ def summarize_store(
     if rows_per_step < 1:
         raise ValueError(f"`rows_per_step` must be at least 1, got {rows_per_step}")
     probe.reset()
-    for batch in store.row_batches(key):
+    distributed = dist.is_available() and dist.is_initialized()
+    share = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    for batch in store.row_batches(key, share):
         for start, stop in _steps(batch.indices, rows_per_step):
             probe.update(
                 batch.rows[start:stop],

@@ -290,18 +290,20 @@ class FeatureStore:
             else:
                 yield indices, batch.kept(tensor)
 
-    def row_batches(self, key: str) -> Iterator[RowBatch]:
+    def row_batches(self, key: str, share: tuple[int, int] = (0, 1)) -> Iterator[RowBatch]:
         """Yield each stored batch of ``key``'s rows with their coordinates, in commit order:
-        ``RowBatch(indices, positions, token_ids, rows)`` (``positions``, ``token_ids``: ``None``
-        where the store has none). A sample's token rows all come in one batch, in
-        position order: one pass reads each row once with its neighbours."""
+        ``RowBatch(indices, positions, token_ids, rows)`` (``positions``, ``token_ids``:
+        ``None`` where the store has none). A sample's token rows all come in one batch, in
+        position order: one pass reads each row once with its neighbours. ``share=(r, n)``
+        reads only every ``n``-th batch from the ``r``-th: one process's share of ``n``."""
         self._check_key(key)
         self._refuse_unless_rows(key, any_shape=True)
-        holders = self._holders(key)
+        part, parts = share
+        holders = self._holders(key)[part::parts]
         coordinates = [
             name
             for name in (POSITION_KEY, TOKEN_ID_KEY)
-            if name != key and all(name in batch.keys for batch in holders)
+            if name != key and all(name in batch.keys for batch in self._holders(key))
         ]
         yield from read_row_batches(holders, key, coordinates)
 

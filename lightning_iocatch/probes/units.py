@@ -55,7 +55,9 @@ class UnitActivations(_ProbeMetric):
             ``lambda batch: batch["index"]``.
         of: a module or function applied to the values first (under ``torch.no_grad``),
             keeping their leading dimensions: e.g. a sparse autoencoder's encoder, to
-            follow its latents. A module moves with the probe (``.to(device)``).
+            follow its latents. A module moves with the probe (``.to(device)``) and gets
+            the values in its parameters' dtype (bfloat16 captures of a ``bf16-mixed`` run
+            into a float32 encoder).
         name: the probe's name in logged names and ``capture.probes.summaries``
             (``{key}/{name}``): give two such probes of one value different names.
 
@@ -139,7 +141,7 @@ class UnitActivations(_ProbeMetric):
         values = features.detach()
         if self.of is not None:
             with torch.no_grad():
-                values = self.of(values)
+                values = self.of(values.to(_dtype_of(self.of, values.dtype)))
             if (
                 not isinstance(values, Tensor)
                 or values.shape[: features.dim() - 1] != features.shape[:-1]
@@ -281,6 +283,15 @@ class UnitActivations(_ProbeMetric):
             above=self.above,
             log10_range=self.log10_range,
         )
+
+
+def _dtype_of(of: Callable[[Tensor], Tensor], default: torch.dtype) -> torch.dtype:
+    """The dtype of a module's first floating parameter; ``default`` for a function."""
+    if isinstance(of, torch.nn.Module):
+        for parameter in of.parameters():
+            if parameter.is_floating_point():
+                return parameter.dtype
+    return default
 
 
 def _per_row(given: Tensor | None, rows: int, device: torch.device, default: int = -1) -> Tensor:

@@ -202,6 +202,12 @@ def test_an_encoder_gives_the_units() -> None:
     with torch.no_grad():
         expected = encoder(values).reshape(8, 5).amax(0).double()
     assert torch.equal(probe.compute().top_values[:, 0], expected)
+    # bfloat16 captures (bf16-mixed) go into a float32 encoder as float32
+    halves = UnitActivations(k=1, window=0, of=encoder)
+    halves.update(values.bfloat16(), indices=[0, 1])
+    with torch.no_grad():
+        expected = encoder(values.bfloat16().float()).reshape(8, 5).amax(0).double()
+    assert torch.equal(halves.compute().top_values[:, 0], expected)
 
 
 def test_bad_settings_and_inputs_are_refused() -> None:

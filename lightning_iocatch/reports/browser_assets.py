@@ -50,6 +50,7 @@ function num(v, digits) {
   if (v !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(digits - 1);
   return String(Number(v.toPrecision(digits)));
 }
+function count(n) { return String(n).replace(/\B(?=(\d{3})+(?!\d))/g, ","); }
 function shown(text) {  // a token's text with its spaces and line breaks visible
   return text.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5").replace(/\r/g, "\u240d");
 }
@@ -96,8 +97,9 @@ function bars(counts, edges, what, marker) {
   return svg;
 }
 function header() {
-  return "units " + T.units + " \u00b7 rows " + T.rows + " \u00b7 active: value > " +
-    T.threshold + " \u00b7 top " + T.k + " examples, \u00b1" + T.window + " tokens";
+  return "units " + count(T.units) + " \u00b7 rows " + count(T.rows) +
+    " \u00b7 active: value > " + T.threshold + " \u00b7 top " + T.k + " examples, \u00b1" +
+    T.window + " tokens";
 }
 """
 
@@ -137,7 +139,7 @@ function draw() {
     var td = el("td"); td.appendChild(a); tr.appendChild(td);
     tr.appendChild(el("td", {title: String(T.density[u])},
       T.active[u] === 0 ? "dead" : num(T.density[u], 3)));
-    tr.appendChild(el("td", {}, String(T.active[u])));
+    tr.appendChild(el("td", {}, count(T.active[u])));
     tr.appendChild(el("td", {title: String(T.mean[u])}, num(T.mean[u], 4)));
     tr.appendChild(el("td", {title: String(T.max[u])}, num(T.max[u], 4)));
     var top = T.top[u];
@@ -145,7 +147,7 @@ function draw() {
     body.appendChild(tr);
   }
   document.getElementById("where").textContent = "page " + (page + 1) + " of " + pages +
-    " (" + order.length + " units)";
+    " (" + count(order.length) + " units)";
   var ths = document.querySelectorAll("th.s");
   for (var j = 0; j < ths.length; j++) {
     var k = ths[j].getAttribute("data-k");
@@ -157,8 +159,8 @@ function go(delta) { page += delta; draw(); }
 document.getElementById("head").textContent = header();
 var dead = 0;
 for (var u = 0; u < T.units; u++) if (T.active[u] === 0) dead++;
-document.getElementById("dead").textContent = dead + " dead units (never active in " +
-  T.rows + " rows) are not in the histogram; " + (T.units - dead) + " are.";
+document.getElementById("dead").textContent = count(dead) + " dead units (never active in " +
+  count(T.rows) + " rows) are not in the histogram; " + count(T.units - dead) + " are.";
 document.getElementById("density").appendChild(
   bars(T.density_counts, T.density_edges, "units with density", null));
 fromHash(); arrange(); draw();
@@ -200,10 +202,10 @@ function render(u, chunk) {
   box.appendChild(el("h1", {}, "Unit " + u + (T.key ? " of " + T.key : "")));
   box.appendChild(el("div", {"class": "sub"}, header()));
   var active = T.active[u];
-  box.appendChild(el("p", {}, active === 0 ? "Dead: never active in " + T.rows + " rows." :
-    "Density " + num(T.density[u], 4) + " (" + active + " of " + T.rows + " rows > " +
-    T.threshold + ") \u00b7 mean when active " + num(T.mean[u], 5) + " \u00b7 max " +
-    num(T.max[u], 6)));
+  box.appendChild(el("p", {}, active === 0 ? "Dead: never active in " + count(T.rows) +
+    " rows." : "Density " + num(T.density[u], 4) + " (" + count(active) + " of " +
+    count(T.rows) + " rows > " + T.threshold + ") \u00b7 mean when active " +
+    num(T.mean[u], 5) + " \u00b7 max " + num(T.max[u], 6)));
   var figs = el("div", {"class": "figs"});
   var f1 = el("figure");
   f1.appendChild(bars(d.hist, T.hist_edges, "active values", null));

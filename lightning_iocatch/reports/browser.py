@@ -219,6 +219,7 @@ def _chunk(summary: UnitSummary, start: int, stop: int, decode: _Decode) -> dict
     position = summary.top_position[start:stop].tolist()
     ids = summary.context_ids[start:stop].tolist()
     around = summary.context_values[start:stop].tolist()
+    histogram = summary.histogram[start:stop].tolist()
     units = []
     for unit, count in enumerate(filled):
         examples = [
@@ -231,7 +232,7 @@ def _chunk(summary: UnitSummary, start: int, stop: int, decode: _Decode) -> dict
             ]
             for slot in range(count)
         ]
-        units.append({"hist": summary.histogram[start + unit].tolist(), "examples": examples})
+        units.append({"hist": histogram[unit], "examples": examples})
     tokens: dict[str, str] = {}
     if decode is not None:
         used = sorted(

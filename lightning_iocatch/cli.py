@@ -6,6 +6,7 @@
     lightning-iocatch export STORE OUT [--keys K ...] [--layout columns|saelens] [--hook-name NAME]
                              [--storage-options JSON] [--quiet]
     lightning-iocatch plot METRICS [--out DIR]
+    lightning-iocatch browse RESULT [--tokenizer NAME_OR_PATH] [--out DIR]
 
 Also ``python -m lightning_iocatch``. Errors go to stderr in one line, with exit code 2
 (``inspect``: 1 when a dataset index is missing or duplicated). Long work (``export``,
@@ -234,6 +235,15 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _browse(args: argparse.Namespace) -> int:
+    from lightning_iocatch.reports import write_browser
+
+    result = Path(args.result)
+    out = Path(args.out) if args.out else result.with_name(f"{result.stem}_browser")
+    print(write_browser(result, out, tokenizer=args.tokenizer))
+    return 0
+
+
 def _progress(args: argparse.Namespace) -> bool | None:
     """``--quiet``: no bar; otherwise one where stderr is a terminal."""
     return False if args.quiet else None
@@ -337,6 +347,22 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("metrics", metavar="METRICS", help="path to metrics.csv")
     plot.add_argument("--out", help="output directory (default: next to METRICS)")
     plot.set_defaults(run=_plot)
+    browse = commands.add_parser(
+        "browse",
+        help="write the feature browser of a unit summary",
+        description="Write a static HTML site (open its index.html from disk) of the units of "
+        "a summary UnitSummary.save wrote: their density, activation histograms and top "
+        "examples, each token shaded by the unit's value. Prints the index's path.",
+    )
+    browse.add_argument("result", metavar="RESULT", help="the unit summary (.safetensors)")
+    browse.add_argument(
+        "--tokenizer",
+        metavar="NAME_OR_PATH",
+        help="a Hugging Face tokenizer (Hub name or saved directory) to show tokens as text "
+        "(default: token ids)",
+    )
+    browse.add_argument("--out", metavar="DIR", help="default: RESULT's stem + _browser/")
+    browse.set_defaults(run=_browse)
     return parser
 
 

@@ -22,6 +22,7 @@ CORE = [
     "store",
     "probes",
     "plots",
+    "reports",
     "errors",
     "checks",
     "suggest",

@@ -2,3 +2,7 @@
 
 Imported by the command line only (and by you): the Lightning adapter never imports it.
 """
+
+from lightning_iocatch.reports.browser import write_browser
+
+__all__ = ["write_browser"]

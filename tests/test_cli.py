@@ -55,7 +55,7 @@ def test_python_dash_m_runs_the_command_in_a_process_of_its_own(store: Path) -> 
 
 
 def test_help_of_every_command() -> None:
-    for command in (["modules"], ["inspect"], ["export"], ["plot"]):
+    for command in (["modules"], ["inspect"], ["export"], ["plot"], ["browse"]):
         result = cli(*command, "--help")
         assert result.returncode == 0 and "usage: lightning-iocatch" in result.stdout
         if command in (["inspect"], ["export"]):  # both read a store on disk or at a URL

@@ -23,6 +23,7 @@ PACKAGES = [
     "lightning_iocatch.store",
     "lightning_iocatch.lightning",
     "lightning_iocatch.probes",
+    "lightning_iocatch.reports",
     "lightning_iocatch.errors",
 ]
 

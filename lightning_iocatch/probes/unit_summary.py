@@ -192,7 +192,10 @@ class UnitSummary:
             with safe_open(os.fspath(path), "pt") as handle:
                 header = handle.metadata() or {}
         except SafetensorError as error:
-            raise ValueError(f"{os.fspath(path)!r} is not a safetensors file: {error}") from None
+            raise ValueError(
+                f"{os.fspath(path)!r} is not a unit summary (not a safetensors file: {error}); "
+                "give the file that UnitSummary.save wrote"
+            ) from None
         try:
             settings = json.loads(header["settings"])
             if settings.get("format") != FORMAT:

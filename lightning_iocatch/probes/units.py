@@ -133,8 +133,10 @@ class UnitActivations(_ProbeMetric):
             indices: each sample's (or row's) dataset index; needed when ``k > 0``.
             repeated: per sample, whether it is padding to leave out.
             tokens: the bool ``(batch, seq)`` mask of real tokens.
-            positions, token_ids: each token's position and id, ``(batch, seq)`` (or
-                ``(rows,)`` for rows); by default from the batch, as token rows record them.
+            positions: each token's position, ``(batch, seq)`` (or ``(rows,)`` for rows);
+                by default from the batch, as token rows record them.
+            token_ids: each token's id, of the same shape; by default the batch's
+                ``input_ids``.
         """
         if not isinstance(features, Tensor) or not features.is_floating_point():
             raise ValueError(f"UnitActivations takes floating tensors, got {features!r:.80}")

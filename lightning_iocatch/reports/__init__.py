@@ -4,5 +4,6 @@ Imported by the command line only (and by you): the Lightning adapter never impo
 """
 
 from lightning_iocatch.reports.browser import write_browser
+from lightning_iocatch.reports.store_units import summarize_store
 
-__all__ = ["write_browser"]
+__all__ = ["summarize_store", "write_browser"]

@@ -54,8 +54,8 @@ def write_browser(
             saved with :meth:`~lightning_iocatch.probes.UnitSummary.save`.
         out_dir: the directory to write (made if missing).
         tokenizer: shows each token as text: a Hugging Face tokenizer, or its Hub name
-            or saved directory (loaded with ``transformers.AutoTokenizer``); ``None``:
-            token ids.
+            or saved directory (loaded with ``transformers.AutoTokenizer``), or a function
+            of a list of ids giving their texts; ``None``: token ids.
         local_files_only: load a tokenizer named by ``tokenizer`` from the local
             Hugging Face cache only, never downloading it.
         title: the pages' title (default: the summary's key).
@@ -105,24 +105,18 @@ def _loaded(summary: UnitSummary | str | os.PathLike[str]) -> UnitSummary:
             f"no unit summary file at {path!r}: give the .safetensors file that "
             "UnitSummary.save (or capture.probes.summaries[key].save) wrote"
         )
-    from safetensors import SafetensorError
-
-    try:
-        return UnitSummary.load(path)
-    except SafetensorError as error:
-        raise ValueError(
-            f"{path!r} is not a unit summary (not a safetensors file: {error}); give the "
-            "file that UnitSummary.save wrote"
-        ) from None
+    return UnitSummary.load(path)
 
 
 def _tokenizer(tokenizer: Any, local_files_only: bool) -> Any:
     """A tokenizer object (or ``None``); a name or directory loaded with AutoTokenizer."""
     if tokenizer is None or not isinstance(tokenizer, str | os.PathLike):
-        if tokenizer is not None and not hasattr(tokenizer, "convert_ids_to_tokens"):
+        if not (
+            tokenizer is None or hasattr(tokenizer, "convert_ids_to_tokens") or callable(tokenizer)
+        ):
             raise TypeError(
-                "`tokenizer` must be a Hugging Face tokenizer, its name or directory, or "
-                f"None, got {tokenizer!r:.80}"
+                "`tokenizer` must be a Hugging Face tokenizer, its name or directory, a "
+                f"function of a list of ids giving their texts, or None, got {tokenizer!r:.80}"
             )
         return tokenizer
     name = os.fspath(tokenizer)
@@ -160,6 +154,8 @@ def _decoder(tokenizer: Any) -> _Decode:
     """
     if tokenizer is None:
         return None
+    if not hasattr(tokenizer, "convert_ids_to_tokens"):  # a function of the ids
+        return lambda ids: [str(text) for text in tokenizer(list(ids))] if ids else []
 
     def decode(ids: Sequence[int]) -> list[str]:
         if not ids:

@@ -185,7 +185,9 @@ def test_summary_survives_save_and_load(tmp_path: Path) -> None:
         assert torch.equal(getattr(loaded, name), getattr(summary, name))
     assert torch.equal(loaded.top_values.nan_to_num(-1), summary.top_values.nan_to_num(-1))
     (tmp_path / "other.safetensors").write_bytes((tmp_path / "units.safetensors").read_bytes()[:20])
-    with pytest.raises(ValueError, match="other.safetensors' is not a safetensors file"):
+    with pytest.raises(
+        ValueError, match=r"other.safetensors' is not a unit summary \(not a safetensors file"
+    ):
         UnitSummary.load(tmp_path / "other.safetensors")
     from safetensors.torch import save_file
 

@@ -159,6 +159,9 @@ def test_it_opens_from_disk_in_chunks_with_ids_when_no_tokenizer(
     assert table["decoded"] is False and table["top"] == ["[2]", None, "[3]"]
     _, chunk = script_data(tmp_path / "ids" / "data" / "units-00000.js", "iocChunk")
     assert chunk["tokens"] == {} and [tuple(e) for e in chunk["units"][0]["examples"]] == UNIT0
+    write_browser(summary, tmp_path / "fn", tokenizer=lambda ids: [f"<{i}>" for i in ids])
+    _, chunk = script_data(tmp_path / "fn" / "data" / "units-00000.js", "iocChunk")
+    assert chunk["tokens"]["7"] == "<7>" and chunk["tokens"]["1"] == "<1>"  # a function of ids
     for name in ("index.html", "unit.html"):
         page = Page.parse(tmp_path / "old" / name)
         assert page.scripts == ["data/table.js"] and page.links == []

@@ -147,23 +147,31 @@ def effects(lm: CharLM, data: list[dict], variants: dict, **options: Any) -> dic
     return measured.last_values
 
 
-def run(out: Path, *, quick: bool = False) -> dict[str, Any]:
+def train(out: Path, *, quick: bool = False) -> dict[str, Any]:
+    """Steps 1 to 3: the language model, a dump of each kind of text, the SAE on both."""
     pl.seed_everything(0, verbose=False)
-    train, held_out = {}, {}
+    train_data, held_out = {}, {}
     for name, text in texts().items():
-        train[name], held_out[name] = split(text, held_out=16 if quick else 64)
+        train_data[name], held_out[name] = split(text, held_out=16 if quick else 64)
     lm = CharLM()
     steps = 150 if quick else 1500
-    both = DataLoader(train["prose"] + train["code"], batch_size=32, shuffle=True)
+    both = DataLoader(train_data["prose"] + train_data["code"], batch_size=32, shuffle=True)
     trainer(max_steps=steps).fit(lm, both)
     lm.eval()
 
-    stores = {name: dump(lm, train[name], out / name) for name in train}
+    stores = {name: dump(lm, train_data[name], out / name) for name in train_data}
     sae = SparseAutoencoder(codes=4 * WIDTH, l1=0.3)
     for name in stores:  # one store per kind of text: the SAE reads both
         data = StoreDataModule(out / name, KEY, batch_size=256, seed=0)
         trainer(max_epochs=1 if quick else 4).fit(sae, datamodule=data)
     sae.eval()
+    return {"lm": lm, "sae": sae, "train": train_data, "held_out": held_out, "stores": stores}
+
+
+def run(out: Path, *, quick: bool = False, models: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Steps 4 and 5 on ``models`` (:func:`train`'s, trained into ``out`` when not given)."""
+    models = models or train(out, quick=quick)
+    lm, sae, stores, held_out = models["lm"], models["sae"], models["stores"], models["held_out"]
 
     evaluation = held_out["prose"] + held_out["code"]
     spliced = effects(lm, evaluation, {

@@ -28,6 +28,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lightning_iocatch.probes.unit_density import lowest_above
+
 __all__ = ["Rows", "Top", "empty_top", "merge_tops", "update_top"]
 
 _EMPTY = float("-inf")
@@ -84,17 +86,20 @@ def update_top(top: Top, rows: Rows, above: float | None = None) -> Top:
     if rows.values.shape[0] == 0 or k == 0 or units == 0:
         return top
     values = rows.values if rows.values.dtype == torch.float64 else rows.values.float()
-    lowest = _lowest(top, values, above, k)
-    row, unit = (values >= lowest).nonzero(as_tuple=True)  # NaN never is
-    value = values[row, unit]
-    if bool(lowest.min() == _EMPTY):  # a column of -inf only: never an example
-        real = value > _EMPTY
-        row, unit, value = row[real], unit[real], value[real]
-    if row.numel() == 0:
-        return top
     ordered = _ordered(rows)
     rank = torch.empty_like(ordered.order)
     rank[ordered.order] = torch.arange(rank.numel(), device=rank.device)
+    again = _seen_before(ordered)  # per row: the same index and position as an earlier one
+    lowest = _lowest(top, values, above, k, again)
+    row, unit = (values >= lowest).nonzero(as_tuple=True)  # NaN never is
+    value = values[row, unit]
+    keep = value > _EMPTY if bool(lowest.min() == _EMPTY) else None  # -inf: never an example
+    if again is not None:
+        keep = ~again[row] if keep is None else keep & ~again[row]
+    if keep is not None:
+        row, unit, value = row[keep], unit[keep], value[keep]
+    if row.numel() == 0:
+        return top
     changed, found = _best_pairs(rank[row], unit, value, units, k)  # (S, k) sorted rows
     held = _select(top, changed)
     empty = found < 0
@@ -110,21 +115,34 @@ def update_top(top: Top, rows: Rows, above: float | None = None) -> Top:
     return _replace(top, changed, merged)
 
 
-def _lowest(top: Top, values: Tensor, above: float | None, k: int) -> Tensor:
+def _lowest(top: Top, values: Tensor, above: float | None, k: int, again: Tensor | None) -> Tensor:
     """Per unit, in ``values``' dtype, the lowest value of this batch that may still
     fill a slot: the last slot's value (a tie may win on its index), or the next value
-    above ``above``; where neither binds, the batch's own ``k``-th best."""
+    above ``above``; where neither binds, the batch's own ``k``-th best (of its rows
+    not seen before in it)."""
     lowest = top.values[:, -1].to(values.dtype, copy=True)
     if above is not None:
-        bound = torch.tensor(above, dtype=torch.float64).to(values.dtype)
-        if float(bound) <= above:
-            bound = torch.nextafter(bound, torch.tensor(float("inf"), dtype=values.dtype))
-        lowest = lowest.clamp(min=bound)
+        lowest = lowest.clamp(min=lowest_above(above, values.dtype))
     blind = lowest == _EMPTY
     if bool(blind.any()):
         part = values[:, blind].nan_to_num(nan=_EMPTY, posinf=float("inf"), neginf=_EMPTY)
+        if again is not None:
+            part[again] = _EMPTY
         lowest[blind] = part.topk(min(k, part.shape[0]), dim=0).values[-1]
     return lowest
+
+
+def _seen_before(ordered: _Ordered) -> Tensor | None:
+    """Per row of the batch, whether an earlier row has its index and position (a
+    sampler's repeat); ``None`` when no row has."""
+    twice = (ordered.indices[1:] == ordered.indices[:-1]) & (
+        ordered.positions[1:] == ordered.positions[:-1]
+    )
+    if not bool(twice.any()):
+        return None
+    again = torch.zeros_like(ordered.order, dtype=torch.bool)
+    again[ordered.order[1:][twice]] = True
+    return again
 
 
 def _best_pairs(

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["Density", "empty_density", "update_density"]
+__all__ = ["Density", "empty_density", "lowest_above", "update_density"]
 
 _CHUNK = 1 << 22  # values looked at a time: bounds the memory of the active positions
 
@@ -48,6 +48,21 @@ def empty_density(units: int, bins: int, device: torch.device | None = None) -> 
     )
 
 
+def lowest_above(bound: float, dtype: torch.dtype) -> Tensor:
+    """The smallest value of ``dtype`` greater than ``bound``: ``x > bound`` exactly as
+    ``x >= lowest_above(bound, x.dtype)``, without rounding ``bound`` to ``dtype`` first
+    (0.1 in float32 is 0.100000001, itself above 0.1).
+
+    Examples:
+        >>> lowest_above(0.1, torch.float32).item() > 0.1, lowest_above(0.0, torch.float16).item()
+        (True, 5.960464477539063e-08)
+    """
+    near = torch.tensor(bound, dtype=torch.float64).to(dtype)
+    if float(near) <= bound:
+        near = torch.nextafter(near, torch.tensor(float("inf"), dtype=dtype))
+    return near
+
+
 def update_density(
     state: Density, values: Tensor, threshold: float, log10_range: tuple[float, float]
 ) -> Density:
@@ -57,9 +72,10 @@ def update_density(
     width = (high - low) / bins
     active, active_sum, histogram = state.active, state.active_sum, state.histogram.flatten()
     step = max(1, _CHUNK // max(units, 1))
+    lowest = lowest_above(threshold, values.dtype)
     for start in range(0, values.shape[0], step):
         chunk = values[start : start + step]
-        row, unit = (chunk > threshold).nonzero(as_tuple=True)
+        row, unit = (chunk >= lowest).nonzero(as_tuple=True)
         value = chunk[row, unit].double()
         active = active + torch.bincount(unit, minlength=units)
         active_sum = active_sum.index_add(0, unit, value)

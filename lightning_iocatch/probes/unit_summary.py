@@ -83,6 +83,19 @@ class UnitSummary:
     log10_range: tuple[float, float]
     key: str = ""
 
+    def __post_init__(self) -> None:
+        self.reshape()
+
+    def reshape(self) -> UnitSummary:
+        """Give each tensor its documented shape again, in place (torchmetrics squeezes the
+        one-element tensors a ``compute()`` returns: those of one unit)."""
+        units, slots = self.context_ids.shape[:2]
+        self.active, self.active_sum = self.active.reshape(units), self.active_sum.reshape(units)
+        self.histogram = self.histogram.reshape(units, -1)
+        for name in ("top_values", "top_index", "top_position"):
+            setattr(self, name, getattr(self, name).reshape(units, slots))
+        return self
+
     @property
     def units(self) -> int:
         """The number of units (the captured value's last dimension, or its trailing ones)."""
@@ -138,9 +151,10 @@ class UnitSummary:
 
     def scalars(self) -> dict[str, float]:
         """The few numbers a logger gets: ``dead_frac`` (units never active),
-        ``density_median`` (over the units) and ``rows``."""
+        ``density_median`` (over the units, the mean of the two middle ones for an even
+        number, as NumPy's) and ``rows``."""
         density = self.density()
-        median = float(density.median()) if self.units else math.nan
+        median = float(density.quantile(0.5)) if self.units else math.nan
         dead = float((self.active == 0).double().mean()) if self.units else math.nan
         return {"dead_frac": dead, "density_median": median, "rows": float(self.rows)}
 

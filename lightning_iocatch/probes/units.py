@@ -8,7 +8,9 @@ processes) and :mod:`~lightning_iocatch.probes.unit_density` for the density.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -24,6 +26,11 @@ __all__ = ["UnitActivations"]
 
 _TOP = tuple(f"top_{name}" for name in Top._fields)
 _DENSITY = Density._fields
+_DTYPES = {
+    name: state.dtype
+    for names, states in ((_TOP, empty_top(0, 0, 0)), (_DENSITY, empty_density(0, 1)))
+    for name, state in zip(names, states, strict=True)
+}
 
 
 class UnitActivations(_ProbeMetric):
@@ -44,9 +51,9 @@ class UnitActivations(_ProbeMetric):
     Args:
         k: top examples kept per unit (0: density only).
         window: tokens each side of an example kept with it (ids and this unit's values).
-        above: only values greater than this fill example slots (``0.0`` for ReLU-like
-            units, whose zeros would otherwise tie); ``None``: the ``k`` largest, whatever
-            they are. NaN and ``-inf`` never do.
+        above: only values greater than this fill example slots: by default 0, what
+            excites a unit (the zeros of ReLU-like units would otherwise tie); ``None``: the
+            ``k`` largest, whatever they are. NaN and ``-inf`` never do.
         threshold: a unit is active on a row where its value is greater than this.
         log10_range: the range of the histogram of log10 active values, in decades.
         bins: the histogram's number of equal bins.
@@ -82,7 +89,7 @@ class UnitActivations(_ProbeMetric):
         self,
         k: int = 20,
         window: int = 8,
-        above: float | None = None,
+        above: float | None = 0.0,
         threshold: float = 0.0,
         log10_range: tuple[float, float] = (-4.0, 3.0),
         bins: int = 70,
@@ -106,7 +113,13 @@ class UnitActivations(_ProbeMetric):
         if of is not None and not callable(of):
             raise TypeError(f"`of` must be a module or a function of the values, got {of!r:.60}")
         self.k, self.window, self.bins, self.index, self.of = k, window, bins, index, of
+        owner = getattr(of, "__self__", None)
+        if isinstance(owner, torch.nn.Module) and not isinstance(of, torch.nn.Module):
+            self.of_module = owner  # a method of a module (sae.encode): it moves with the probe
         self.name = name
+        for option, number in (("above", above), ("threshold", threshold)):
+            if number is not None and not math.isfinite(float(number)):
+                raise ValueError(f"`{option}` must be a finite number, got {number!r}")
         self.above = None if above is None else float(above)
         self.threshold, self.log10_range = float(threshold), (low, high)
         for state_name, state in zip(_TOP, empty_top(0, k, window), strict=True):
@@ -143,7 +156,8 @@ class UnitActivations(_ProbeMetric):
         values = features.detach()
         if self.of is not None:
             with torch.no_grad():
-                values = self.of(values.to(_dtype_of(self.of, values.dtype)))
+                holder = getattr(self, "of_module", self.of)
+                values = self.of(values.to(_dtype_of(holder, values.dtype)))
             if (
                 not isinstance(values, Tensor)
                 or values.shape[: features.dim() - 1] != features.shape[:-1]
@@ -188,7 +202,10 @@ class UnitActivations(_ProbeMetric):
             else real
         )
         if positions is None or (token_ids is None and self.window):
-            found_positions, found_ids = token_coordinates(batch, mask)
+            # where the batch has no padding mask of its own, the mask of real tokens says
+            # where each sequence starts (left padding)
+            padding = None if _has_padding_mask(batch, mask) else (lambda _: mask)
+            found_positions, found_ids = token_coordinates(batch, mask, padding=padding)
             positions = found_positions if positions is None else positions
             token_ids = found_ids if token_ids is None else token_ids
         for name, given in (("positions", positions), ("token_ids", token_ids)):
@@ -199,10 +216,10 @@ class UnitActivations(_ProbeMetric):
                 )
         counted = mask if keep is None else mask & keep[:, None]
         sample, column = counted.nonzero(as_tuple=True)
-        ids = None if token_ids is None else token_ids.to(values.device)[sample, column]
-        return Rows(
-            values[sample, column], index[sample], positions.to(values.device)[sample, column], ids
-        )
+        device = values.device
+        ids = None if token_ids is None else token_ids.to(device, torch.int64)[sample, column]
+        position = positions.to(device, torch.int64)[sample, column]
+        return Rows(values[sample, column], index[sample], position, ids)
 
     def _index(self, batch: Any, indices: Any, samples: int, device: torch.device) -> Tensor:
         """Each sample's dataset index: ``indices`` where known, else ``index(batch)``; when
@@ -266,6 +283,45 @@ class UnitActivations(_ProbeMetric):
             self._set(empty_top(widths[0], self.k, self.window, self.active.device))
             self._set(empty_density(widths[0], self.bins, self.active.device))
 
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        wrapped = super()._wrap_compute(compute)
+
+        @functools.wraps(wrapped)
+        def shaped(*args: Any, **kwargs: Any) -> Any:
+            summary = wrapped(*args, **kwargs)  # squeezed by torchmetrics where one unit
+            return summary.reshape() if isinstance(summary, UnitSummary) else summary
+
+        return shaped
+
+    def _reduce_states(self, incoming_state: dict[str, Any]) -> None:
+        """``forward`` and ``merge_state``: ``incoming_state`` taken in by the rules of a
+        sync (examples by their order, counts and sums added)."""
+        units = incoming_state["active"].shape[0]
+        if units == 0:
+            return
+        if self.active.shape[0] == 0:
+            for name in (*_TOP, *_DENSITY):
+                setattr(self, name, incoming_state[name].clone())
+            return
+        if units != self.active.shape[0]:
+            raise ValueError(
+                f"UnitActivations: merging states of {units} and {self.active.shape[0]} units"
+            )
+        mine = self._top()
+        theirs = Top(*(incoming_state[name] for name in _TOP))
+        self._set(merge_tops(Top(*(torch.stack(pair) for pair in zip(theirs, mine, strict=True)))))
+        for name in _DENSITY:
+            setattr(self, name, getattr(self, name) + incoming_state[name])
+
+    def _apply(self, fn: Callable, exclude_state: Sequence[str] = "") -> torch.nn.Module:
+        """``.to(...)``: the states move, and keep their dtypes (an ``of=`` module converts)."""
+        this = super()._apply(fn, exclude_state)
+        defaults: dict[str, Any] = self._defaults  # super()._apply returns self
+        for name, dtype in _DTYPES.items():
+            setattr(self, name, getattr(self, name).to(dtype))
+            defaults[name] = defaults[name].to(dtype)
+        return this
+
     def compute(self) -> UnitSummary:
         top = self._top()
         if top.values.dim() == 3:  # synced: one top per process, stacked
@@ -287,7 +343,14 @@ class UnitActivations(_ProbeMetric):
         )
 
 
-def _dtype_of(of: Callable[[Tensor], Tensor], default: torch.dtype) -> torch.dtype:
+def _has_padding_mask(batch: Any, mask: Tensor) -> bool:
+    """Whether ``batch`` holds an ``attention_mask`` of the mask's shape (the padding mask
+    token rows count positions from)."""
+    found = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    return isinstance(found, Tensor) and tuple(found.shape) == tuple(mask.shape)
+
+
+def _dtype_of(of: Any, default: torch.dtype) -> torch.dtype:
     """The dtype of a module's first floating parameter; ``default`` for a function."""
     if isinstance(of, torch.nn.Module):
         for parameter in of.parameters():

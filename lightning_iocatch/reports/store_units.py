@@ -57,7 +57,8 @@ def summarize_store(
         probe: the probe to feed (its settings: ``k``, ``window``, ``of=`` an encoder...);
             it is reset first.
         rows_per_step: rows given to the probe at a time (memory: this many rows of the
-            probe's units, e.g. an encoder's latents).
+            probe's units, e.g. an encoder's latents, besides the stored batches of one
+            shard, which are read together).
         storage_options: fsspec options when ``store`` is a URL.
     """
     if not isinstance(store, FeatureStore):
@@ -71,6 +72,13 @@ def summarize_store(
     distributed = dist.is_available() and dist.is_initialized()
     share = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     for batch in store.row_batches(key, share):
+        if batch.rows.dim() > 2:
+            raise ValueError(
+                f"{key!r} holds whole sequences {tuple(batch.rows.shape[1:])} a row, padding "
+                "included: dump it with FeatureWriter(tokens=TokenRows()) for one row per real "
+                "token, or give the probe the sequences with their mask (probe.update(..., "
+                "tokens=attention_mask))"
+            )
         for start, stop in _steps(batch.indices, rows_per_step):
             probe.update(
                 batch.rows[start:stop],

@@ -43,8 +43,9 @@ class Predicting(GPT2Module):
 
 def unit_probes() -> list[UnitActivations]:
     index = lambda batch: batch["index"]  # noqa: E731  (shuffled loaders need it)
-    step = UnitActivations(k=K, window=WIDTH, of=step_of, index=index, name="step")
-    return [UnitActivations(k=K, window=WIDTH, index=index), step]
+    # above=None: every value may be an example (negative ones, and the step's zeros)
+    step = UnitActivations(k=K, window=WIDTH, above=None, of=step_of, index=index, name="step")
+    return [UnitActivations(k=K, window=WIDTH, above=None, index=index), step]
 
 
 def step_of(hidden: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ def test_top_equals_a_lexsort_of_all_rows_whatever_the_batches(seed: int) -> Non
 
 
 def test_ties_go_to_the_lower_index_then_position() -> None:
-    probe = UnitActivations(k=3, window=0)
+    probe = UnitActivations(k=3, window=0, above=None)
     rows = torch.zeros(6, 1)  # six ties at 0: (index, position) decides
     probe.update(rows[:3], indices=[9, 2, 9], positions=torch.tensor([1, 5, 0]))
     probe.update(rows[3:], indices=[4, 2, 1], positions=torch.tensor([0, 3, 7]))
@@ -223,5 +223,93 @@ def test_bad_settings_and_inputs_are_refused() -> None:
     probe.update(torch.ones(2, 3), indices=[0, 1])
     with pytest.raises(ValueError, match="this batch has 4 units, earlier ones 3"):
         probe.update(torch.ones(2, 4), indices=[2, 3])
+    for option in ("above", "threshold"):
+        with pytest.raises(ValueError, match=f"`{option}` must be a finite number"):
+            UnitActivations(**{option: float("nan")})
     with pytest.raises(ValueError, match="must keep the leading dimensions"):
         UnitActivations(of=lambda x: x.sum(0)).update(torch.ones(2, 3), indices=[0, 1])
+
+
+def test_one_unit_keeps_its_shapes(tmp_path: Path) -> None:
+    """torchmetrics squeezes one-element tensors out of compute(): a (batch, 1) head."""
+    for k in (1, 3):
+        probe = UnitActivations(k=k, window=0)
+        probe.update(torch.tensor([[0.5], [2.0], [0.0]]), indices=[0, 1, 2])
+        summary = probe.compute()
+        assert summary.active.shape == (1,) and summary.top_values.shape == (1, k)
+        assert summary.scalars()["dead_frac"] == 0.0 and summary.examples(0)[0]["index"] == 1
+        summary.save(tmp_path / "one.safetensors")
+        assert UnitSummary.load(tmp_path / "one.safetensors").top_index.shape == (1, k)
+
+
+def test_a_row_repeated_in_one_batch_takes_one_slot() -> None:
+    for above in (None, 0.0):
+        probe = UnitActivations(k=2, window=1, above=above)
+        values = torch.tensor([[5.0], [5.0], [3.0]])  # index 0 twice, then index 1
+        probe.update(values, indices=[0, 0, 1], positions=torch.tensor([0, 0, 0]))
+        summary = probe.compute()
+        assert summary.top_index.tolist() == [[0, 1]] and summary.top_values.tolist() == [[5, 3]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_threshold_is_compared_exactly_in_every_dtype(dtype: torch.dtype) -> None:
+    values = torch.tensor([[0.1, 0.3], [0.3, 0.1], [0.05, 0.0]]).to(dtype)  # 0.1f32 > 0.1
+    probe = UnitActivations(k=3, window=0, threshold=0.1, above=0.1)
+    probe.update(values, indices=[0, 1, 2])
+    summary = probe.compute()
+    expected = values.double() > 0.1  # float64 truth
+    assert summary.active.tolist() == expected.sum(0).tolist()
+    assert (summary.top_index >= 0).sum(1).tolist() == expected.sum(0).tolist()
+    if dtype != torch.float16:  # the premise: 0.1 rounds up, so it is above 0.1
+        assert expected.sum(0).tolist() == [2, 2]
+
+
+def test_left_padding_positions_without_the_batch() -> None:
+    hidden = torch.arange(8.0).reshape(1, 4, 2)
+    mask = torch.tensor([[False, False, True, True]])
+    probe = UnitActivations(k=1, window=1)
+    probe.update(hidden, indices=[0], tokens=mask, token_ids=torch.tensor([[0, 0, 11, 12]]))
+    summary = probe.compute()  # token rows store positions 0 and 1 for columns 2 and 3
+    assert summary.top_position.tolist() == [[1], [1]]
+    assert summary.context_ids[0, 0].tolist() == [11, 12, -1]
+
+
+def test_forward_merge_state_and_to_keep_the_merge_rules() -> None:
+    generator = torch.Generator().manual_seed(3)
+    a, b = torch.randn(6, 4, generator=generator), torch.randn(5, 4, generator=generator)
+    whole = UnitActivations(k=3, window=0)
+    whole.update(torch.cat([a, b]), indices=list(range(11)))
+    expected = whole.compute()
+    forwarded = UnitActivations(k=3, window=0)
+    forwarded(a, indices=list(range(6)))
+    forwarded(b, indices=list(range(6, 11)))
+    first, second = UnitActivations(k=3, window=0), UnitActivations(k=3, window=0)
+    first.update(a, indices=list(range(6)))
+    second.update(b, indices=list(range(6, 11)))
+    first.merge_state(second)
+    for probe in (forwarded, first):
+        got = probe.compute()
+        assert torch.equal(got.top_index, expected.top_index) and torch.equal(
+            got.active, expected.active
+        )
+    moved = UnitActivations(k=3, window=0).to(torch.float16)
+    moved.update(a, indices=list(range(6)))
+    assert moved.compute().top_values.dtype == torch.float64
+
+
+def test_coordinates_of_any_integer_dtype() -> None:
+    probe = UnitActivations(k=1, window=1)
+    hidden = torch.ones(1, 3, 2)
+    probe.update(hidden, indices=[0], positions=torch.tensor([[0, 1, 2]], dtype=torch.int32),
+                 token_ids=torch.tensor([[5, 6, 7]], dtype=torch.int16))  # fmt: skip
+    assert probe.compute().context_ids[0, 0].tolist() == [-1, 5, 6]
+
+
+def test_a_method_of_a_module_moves_with_the_probe() -> None:
+    encoder = torch.nn.Linear(3, 2)
+    probe = UnitActivations(k=1, window=0, of=encoder.forward).to(torch.float64)
+    assert probe.of_module.weight.dtype == torch.float64  # registered: .to() reaches it
+    copy = probe.clone()
+    assert copy.of.__self__ is copy.of_module and copy.of_module is not encoder
+    copy.update(torch.ones(2, 3), indices=[0, 1])  # float32 values into a float64 encoder
+    assert copy.compute().top_values.dtype == torch.float64

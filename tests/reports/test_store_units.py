@@ -115,3 +115,11 @@ def main(store: str, out: str, rank: int, port: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+
+
+def test_a_key_of_whole_padded_sequences_is_refused(tmp_path: Path) -> None:
+    writer = ShardWriter(tmp_path, rank=0, plan=prepare_store(tmp_path, "create", {"spec": None}))
+    writer.write({KEY: torch.ones(2, 5, 3)}, indices=[0, 1])  # (samples, seq, d): padding in
+    writer.close()
+    with pytest.raises(ValueError, match=r"holds whole sequences \(5, 3\) a row.*TokenRows"):
+        summarize_store(tmp_path, KEY)

@@ -72,7 +72,7 @@ def main() -> None:
     print(f"{summary.units} latents over {summary.rows} characters: {dead} never active, "
           f"median density {float(density.median()):.4f}")  # fmt: skip
     alive = (summary.active > 0).nonzero().flatten()
-    shown = alive[torch.argsort(density[alive], descending=True)][:4]
+    shown = alive[torch.argsort(density[alive])][:4]  # the most selective latents
     for unit in shown.tolist():
         where = "code" if int(summary.top_index[unit, 0]) >= result["prose_windows"] else "prose"
         print(f"latent {unit}: density {float(density[unit]):.4f}, top example from the {where}")

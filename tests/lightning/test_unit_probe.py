@@ -27,6 +27,7 @@ from lightning_iocatch.probes import UnitActivations, UnitSummary
 from lightning_iocatch.reports.store_units import summarize_store
 from tests.lightning.test_probe_ddp import run_two_processes
 from tests.lightning.test_probe_tokens import BLOCKS, SPEC, GPT2Module, hooked_outputs, samples
+from tests.lightning_models import trainer as quiet_trainer
 from tests.probes.test_units import numpy_top
 
 K, WIDTH = 4, 2
@@ -57,16 +58,8 @@ STEP = 0.05
 
 
 def trainer(devices: int = 1, **options: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        **options,
-    )
+    strategy = "ddp" if devices > 1 else "auto"
+    return quiet_trainer(options.pop("callbacks"), devices=devices, strategy=strategy, **options)
 
 
 def validate(

@@ -75,7 +75,7 @@ $(UNITS_VENV)/bin/.installed: pyproject.toml Makefile
 	$(UNITS_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
-# About 45 minutes on 2 cores; builds 7 GB of stores once in benchmarks/.stores.
+# About 50 minutes on 2 cores; builds 7 GB of stores once in benchmarks/.stores.
 bench-units: $(UNITS_VENV)/bin/.installed
 	$(UNITS_VENV)/bin/python benchmarks/units.py --markdown
 

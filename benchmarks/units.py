@@ -2,8 +2,10 @@
 token rows, against a plain read of the same rows, ``torch.topk`` in memory and delphi's
 cache.
 
-    python benchmarks/units.py [--quick] [--markdown] [--dir DIR] [--big ROWS]
-    make bench-units    # in an environment of its own, with eai-delphi
+    python benchmarks/units.py [--quick] [--dir DIR] [--plot PNG] > RESULT.json  # or --markdown
+    python benchmarks/units.py --render RESULT.json --markdown [--plot PNG]
+    make bench-units    # in an environment of its own, with eai-delphi (about 50 minutes)
+    python benchmarks/units_peers.py profile STORE 0    # ours under cProfile
 
 The store holds what a dump of an SAE's input holds: token rows of residual activations
 (width 256, float16, one row per token of samples of 128 tokens, each with its dataset
@@ -179,14 +181,19 @@ def table(report: dict[str, Any]) -> str:
             lines.append(
                 f"| throughput, {kind} / plain read + encoder | {house.spread(r)} | | {target} |"
             )
-    for rows, runs in report.get("scale", {}).items():
+    for runs in report.get("scale", {}).values():
         for kind, r in runs.items():
             marks = ", ".join(f"{m['rss_mib']:,}" for m in r.get("marks", []))
             label = "ours" if kind == "ours" else "plain read + encoder"
             lines.append(
-                f"| {label}, {int(rows):,} rows (one run) | {r['rows_per_s']:,.0f} | "
+                f"| {label}, {r['rows']:,} rows (one run) | {r['rows_per_s']:,.0f} | "
                 f"{r['peak_rss_mib']:,.0f} MiB (+{r['peak_growth_mib']:,.0f}); RSS at 10, 50, "
                 f"100 %: {marks} MiB | |"
+            )
+        if "encode" in runs:
+            both = runs["encode"]["seconds"] / runs["ours"]["seconds"]
+            lines.append(
+                f"| throughput, ours / plain read + encoder, one run each | {both:.3f}x | | |"
             )
     memory = report.get("in_memory")
     if memory:
@@ -219,8 +226,8 @@ def table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Peak RSS against rows (ours measured; the in-memory ways' measured bytes a row,
-    drawn to 10^7 rows) and rows/s at the ratio size."""
+    """Peak RSS growth against rows (ours measured; the in-memory ways' measured bytes a
+    row, drawn to 10^7 rows) and rows/s at the ratio size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,33 +236,32 @@ def plot(report: dict[str, Any], path: Path) -> None:
     figure, (memory, speed) = plt.subplots(1, 2, figsize=(12, 4.6))
     scale = report["scale"]
     rows = [int(n) for n in scale]
-    memory.plot(rows, [scale[str(n)]["ours"]["peak_rss_mib"] / 1024 for n in rows], "o-",
-                label="ours: summarize_store (measured peak RSS)")  # fmt: skip
+    growth = [scale[str(n)]["ours"]["peak_growth_mib"] / 1024 for n in rows]
+    memory.plot(rows, growth, "o-", label="ours: summarize_store (measured, one run a size)")
     grid = [10**5, 10**6, 10**7]
     runs = report.get("in_memory", {}).get("runs", {})
+    at = report.get("in_memory", {}).get("check", {}).get("rows", 0)
     for kind, label in (("topk", "torch.topk in memory"), ("delphi", "delphi InMemoryCache")):
         if kind in runs:
             per_row = runs[kind]["bytes_per_row"]
-            base = runs[kind]["rss_before_mib"] / 1024  # torch, Python, the store opened
-            memory.plot(grid, [base + n * per_row / GIB for n in grid], "--",
-                        label=f"{label}: {per_row:,} bytes a row (measured at "
-                        f"{report['in_memory']['check']['rows']:,} rows)")  # fmt: skip
+            text = f"{label}: {per_row:,} bytes a row (measured at {at:,} rows)"
+            memory.plot(grid, [n * per_row / GIB for n in grid], "--", label=text)
     memory.axhline(24, color="grey", lw=0.8)
     memory.text(1.1e5, 26, "this machine: 24 GiB", color="grey")
-    memory.set(xscale="log", yscale="log", xlabel="token rows", ylabel="peak RSS (GiB)",
+    memory.set(xscale="log", yscale="log", xlabel="token rows", ylabel="peak RSS growth (GiB)",
                title="Memory against rows (4,096 latents)")  # fmt: skip
     memory.legend(fontsize=8)
     ratio = report["ratio"]
-    kinds = ["read", "encode", "ours", "density_only"]
-    labels = ["read", "read +\nencoder", "ours", "ours,\nk=0"]
+    kinds = ["encode", "ours", "density_only"]  # a read alone is 20-500x faster: not drawn
+    labels = ["plain read + encoder", "ours", "ours, k=0 (density alone)"]
     medians = [ratio[k]["rows_per_s"]["median"] for k in kinds]
     low = [m - ratio[k]["rows_per_s"]["min"] for m, k in zip(medians, kinds, strict=True)]
     high = [ratio[k]["rows_per_s"]["max"] - m for m, k in zip(medians, kinds, strict=True)]
-    speed.bar(labels, medians, yerr=[low, high], color=["#bbb", "#888", "#1f77b4", "#9ecae1"])
-    speed.set(yscale="log", ylabel="rows/s (median, min-max)",
+    speed.bar(labels, medians, yerr=[low, high], color=["#888", "#1f77b4", "#9ecae1"])
+    speed.set(ylabel="rows/s (median, min-max)",
               title=f"Throughput, {ratio['rows']:,} rows, {ratio['rounds']} rounds")  # fmt: skip
     for x, m in enumerate(medians):
-        speed.text(x, m * 1.15, f"{m:,.0f}", ha="center", fontsize=8)
+        speed.text(x + 0.05, m * 1.02, f"{m:,.0f}", ha="left", fontsize=8)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-effects test-peers clean
+.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,23 @@ bench-tokens: $(BENCH_VENV)/bin/.installed
 # The tests that compare with a peer's own code (SAELens' evaluation of an SAE).
 test-peers: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python -m pytest -q tests/lightning/test_effects_saelens.py
+
+# Unit statistics (top-k, density) against delphi's in-memory cache: eai-delphi in an
+# environment of its own. eai-delphi brings torchvision and torchaudio built for another
+# torch, which transformers then fails to import: they are removed (nothing here uses them).
+# It lies inside .venv-bench/ (ignored by git, removed by `make clean`), apart from SAELens.
+UNITS_VENV := $(BENCH_VENV)/units
+$(UNITS_VENV)/bin/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(UNITS_VENV)
+	$(UNITS_VENV)/bin/pip install --quiet --upgrade pip
+	$(UNITS_VENV)/bin/pip install --quiet "$(TORCH_PIN)"
+	$(UNITS_VENV)/bin/pip install --quiet -e . "eai-delphi==0.1.3" matplotlib "$(TORCH_PIN)"
+	$(UNITS_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+# About 50 minutes on 2 cores; builds 7 GB of stores once in benchmarks/.stores.
+bench-units: $(UNITS_VENV)/bin/.installed
+	$(UNITS_VENV)/bin/python benchmarks/units.py --markdown
 
 bench-effects: venv
 	$(BIN)/python benchmarks/effects.py

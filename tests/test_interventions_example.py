@@ -3,7 +3,6 @@ language model and SAE: the splice and the steering, and the SAE's latents brows
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,19 +13,17 @@ from examples import feature_browser
 from examples.interventions import KEY, STRENGTHS, run, train
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("trained")
-    with warnings.catch_warnings():  # Lightning's advice on workers and logging
-        warnings.simplefilter("ignore", UserWarning)
-        return out, train(out, quick=True)
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_the_interventions_example_measures_what_hugging_face_computes(
-    tmp_path: Path, trained: tuple[Path, dict[str, Any]]
-) -> None:
-    result = run(tmp_path, quick=True, models=trained[1])
+def test_both_examples_on_one_trained_model_and_sae(tmp_path: Path) -> None:
+    """One test, so that the models are trained once whatever the test scheduling."""
+    models = train(tmp_path / "trained", quick=True)
+    check_the_interventions_example(tmp_path / "interventions", models)
+    check_the_browser_example(tmp_path / "browser", models)
+
+
+def check_the_interventions_example(tmp_path: Path, models: dict[str, Any]) -> None:
+    """The splice's clean loss is Hugging Face's own; the steering measures every alpha."""
+    result = run(tmp_path, quick=True, models=models)
     spliced, lm, held_out = result["spliced"], result["lm"], result["held_out"]
     # the clean loss is the model's own: Hugging Face's loss over the same windows
     windows = held_out["prose"] + held_out["code"]
@@ -42,11 +39,10 @@ def test_the_interventions_example_measures_what_hugging_face_computes(
     assert result["rows"]["prose"] > 0 and result["rows"]["code"] > 0
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_the_browser_example_finds_what_topk_over_all_rows_finds(
-    tmp_path: Path, trained: tuple[Path, dict[str, Any]]
-) -> None:
-    result = feature_browser.run(tmp_path, quick=True, models=trained[1])
+def check_the_browser_example(tmp_path: Path, models: dict[str, Any]) -> None:
+    """Every latent active on K rows or more: its examples are those of torch.topk over all
+    latent activations held in memory, ties by index then position."""
+    result = feature_browser.run(tmp_path, quick=True, models=models)
     summary, store, sae = result["summary"], result["store"], result["sae"]
     indices, rows = store.rows(KEY)
     positions = store.rows("__position__")[1]

@@ -91,7 +91,8 @@ class UnitSummary:
         one-element tensors a ``compute()`` returns: those of one unit)."""
         units, slots = self.context_ids.shape[:2]
         self.active, self.active_sum = self.active.reshape(units), self.active_sum.reshape(units)
-        self.histogram = self.histogram.reshape(units, -1)
+        bins = self.histogram.numel() // units if units else self.histogram.shape[-1]
+        self.histogram = self.histogram.reshape(units, bins)
         for name in ("top_values", "top_index", "top_position"):
             setattr(self, name, getattr(self, name).reshape(units, slots))
         return self

@@ -194,7 +194,7 @@ class UnitActivations(_ProbeMetric):
                 values[where], index[where], position[where], None if ids is None else ids[where]
             )
         seq = values.shape[1]
-        values = values.reshape(samples, seq, -1)
+        values = values.reshape(samples, seq, -1) if values.numel() else values.flatten(2)
         real = tokens if masked_by(values, tokens) else None
         mask = (
             torch.ones(samples, seq, dtype=torch.bool, device=values.device)

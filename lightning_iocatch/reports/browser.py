@@ -78,6 +78,15 @@ def write_browser(
     decode = _decoder(_tokenizer(tokenizer, local_files_only))
     out = Path(out_dir)
     data = out / "data"
+    if (
+        out.exists()
+        and (not out.is_dir() or any(out.iterdir()))
+        and not (data / "table.js").is_file()
+    ):
+        raise ValueError(
+            f"{os.fspath(out)!r} is not empty and holds no feature browser: give a new or "
+            "empty directory (a browser written there before is replaced)"
+        )
     data.mkdir(parents=True, exist_ok=True)
     for stale in data.glob("units-*.js"):
         stale.unlink()
@@ -166,10 +175,37 @@ def _decoder(tokenizer: Any) -> _Decode:
         for i, text, piece in zip(ids, texts, pieces, strict=True):
             if not text or "\ufffd" in text:
                 text = piece if isinstance(piece, str) and piece else f"[{i}]"
-            found.append(text)
+            found.append(_word_start(text, piece, wordpiece))
         return found
 
+    wordpiece = _model_kind(tokenizer) == "WordPiece"
+
     return decode
+
+
+def _model_kind(tokenizer: Any) -> str:
+    """The class name of a fast tokenizer's model (``"BPE"``, ``"WordPiece"``...), else ``""``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return type(getattr(backend, "model", None)).__name__ if backend is not None else ""
+
+
+def _word_start(text: str, piece: Any, wordpiece: bool) -> str:
+    """``text`` with the space its token's vocabulary entry says it starts with, which a
+    token decoded alone loses: SentencePiece's ``"\u2581The"`` (Llama, Mistral, T5) and a
+    WordPiece token that is not a ``"##"`` continuation (BERT)."""
+    if not isinstance(piece, str) or text.startswith(" "):
+        return text
+    if piece.startswith("\u2581"):
+        return " " + text
+    if (
+        wordpiece
+        and not piece.startswith("##")
+        and not (piece.startswith("[") and piece.endswith("]"))
+    ):
+        return " " + text
+    if wordpiece and piece.startswith("##") and text.startswith("##"):
+        return text[2:]
+    return text
 
 
 def _table(summary: UnitSummary, decode: _Decode) -> dict[str, Any]:
@@ -224,7 +260,7 @@ def _chunk(summary: UnitSummary, start: int, stop: int, decode: _Decode) -> dict
                 index[unit][slot],
                 position[unit][slot],
                 ids[unit][slot],
-                [float(f"{v:.6g}") if math.isfinite(v) else None for v in around[unit][slot]],
+                [float(f"{v:.6g}") if math.isfinite(v) else _exact(v) for v in around[unit][slot]],
             ]
             for slot in range(count)
         ]
@@ -239,12 +275,15 @@ def _chunk(summary: UnitSummary, start: int, stop: int, decode: _Decode) -> dict
     return {"start": start, "tokens": tokens, "units": units}
 
 
-def _exact(value: float) -> float | None:
-    """A finite value as it is (JSON writes its shortest exact form), else None."""
+def _exact(value: float) -> float | str | None:
+    """A finite value as it is (JSON writes its shortest exact form); ``"inf"`` and
+    ``"-inf"`` for infinities (JSON has none; the pages read them back); None for NaN."""
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
     return value if math.isfinite(value) else None
 
 
-def _exact_list(values: torch.Tensor) -> list[float | None]:
+def _exact_list(values: torch.Tensor) -> list[float | str | None]:
     """Each value as it is; None for NaN (a dead unit's mean, an empty slot)."""
     return [_exact(v) for v in values.tolist()]
 

@@ -37,7 +37,17 @@ word-break:break-all;text-align:left}
 _COMMON_JS = r"""
 "use strict";
 var T = null;
-function iocTable(d) { T = d; }
+var TEXT = {tokens: 1, top: 1, key: 1};  // fields of text, not numbers
+function numbers(x, name) {  // +-inf arrive as "inf" and "-inf": JSON has no Infinity
+  if (TEXT.hasOwnProperty(name)) return x;
+  if (x === "inf") return Infinity;
+  if (x === "-inf") return -Infinity;
+  if (Array.isArray(x)) { for (var i = 0; i < x.length; i++) x[i] = numbers(x[i], ""); }
+  else if (x !== null && typeof x === "object")
+    for (var k in x) if (x.hasOwnProperty(k)) x[k] = numbers(x[k], k);
+  return x;
+}
+function iocTable(d) { T = numbers(d, ""); }
 function el(tag, attrs, text) {
   var e = document.createElement(tag);
   for (var k in attrs || {}) e.setAttribute(k, attrs[k]);
@@ -113,7 +123,7 @@ function sortBy(k) {
 }
 function fromHash() {  // index.html#sort=max (statistics: largest first), #sort=max&asc
   var m = /sort=(\w+)(&asc|&desc)?/.exec(location.hash);
-  if (!m || !(m[1] in COLS)) return;
+  if (!m || !COLS.hasOwnProperty(m[1])) return;
   key = m[1]; dir = m[2] ? (m[2] === "&asc" ? 1 : -1) : (key === "unit" ? 1 : -1);
 }
 function arrange() {
@@ -168,20 +178,26 @@ fromHash(); arrange(); draw();
 
 _UNIT_JS = r"""
 var chunks = {}, current = -1;
-function iocChunk(i, d) { chunks[i] = d; show(); }
-function want() {
-  var m = /u=(\d+)/.exec(location.hash);
-  return m ? parseInt(m[1], 10) : 0;
+function iocChunk(i, d) { chunks[i] = numbers(d, ""); show(); }
+function want() {  // the unit of #u=N; 0 without one; -1 for anything not a unit number
+  var m = /u=([^&]*)/.exec(location.hash);
+  if (!m) return 0;
+  return /^\d+$/.test(m[1]) ? parseInt(m[1], 10) : -1;
 }
 function show() {
   var u = want(), c = Math.floor(u / T.chunk), box = document.getElementById("unit");
-  if (u >= T.units) { box.textContent = ""; box.appendChild(el("p", {"class": "msg"},
-    "no unit " + u + ": this layer has units 0 to " + (T.units - 1))); return; }
+  if (u < 0 || u >= T.units) {
+    current = -1;  // going back to a unit draws it again
+    var asked = (/u=([^&]*)/.exec(location.hash) || ["", ""])[1];
+    box.textContent = ""; box.appendChild(el("p", {"class": "msg"},
+      "no unit " + asked + ": this layer has units 0 to " + (T.units - 1)));
+    return;
+  }
   if (!chunks[c]) {
     var name = "data/units-" + ("0000" + c).slice(-5) + ".js";
     if (!document.querySelector('script[src="' + name + '"]')) {
       var script = el("script", {src: name});
-      script.onerror = function () { box.textContent = "cannot read " + name +
+      script.onerror = function () { current = -1; box.textContent = "cannot read " + name +
         ": write the browser again (lightning-iocatch browse)"; };
       document.head.appendChild(script);
     }

@@ -245,3 +245,41 @@ def rendered(page: Path, fragment: str) -> str:
          "--dump-dom", page.as_uri() + fragment],
         capture_output=True, text=True, timeout=60,
     ).stdout  # fmt: skip
+
+
+def test_infinities_word_starts_and_a_directory_of_other_files(tmp_path: Path) -> None:
+    probe = UnitActivations(k=2, window=1, above=None)
+    values = torch.tensor([[[float("inf"), 1.0], [2.0, float("-inf")], [0.5, 3.0]]])
+    probe.update(values, indices=[4], token_ids=torch.tensor([[0, 1, 2]]))
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"\u2581The": 0, "\u2581cat": 1, "s": 2, "[UNK]": 3}  # SentencePiece pieces
+    model = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    model.decoder = decoders.Metaspace()
+    pieces = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]")
+    write_browser(probe.compute(), tmp_path / "b", tokenizer=pieces)
+    _, table = script_data(tmp_path / "b" / "data" / "table.js", "iocTable")
+    assert table["max"] == ["inf", 3.0] and table["mean"][0] == "inf"  # JSON has no Infinity
+    _, chunk = script_data(tmp_path / "b" / "data" / "units-00000.js", "iocChunk")
+    assert chunk["units"][0]["examples"][0][0] == "inf"
+    assert chunk["tokens"] == {"0": " The", "1": " cat", "2": "s"}  # " The cats", not "Thecats"
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="is not empty and holds no feature browser"):
+        write_browser(probe.compute(), tmp_path / "mine")
+    write_browser(probe.compute(), tmp_path / "b")  # a browser is replaced
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (apt install)")
+def test_chromium_reads_infinities_and_bad_unit_numbers(tmp_path: Path) -> None:
+    probe = UnitActivations(k=1, window=0)
+    probe.update(torch.tensor([[float("inf"), 1.0], [2.0, 3.0]]), indices=[0, 1])
+    write_browser(probe.compute(), tmp_path)
+    table = rendered(tmp_path / "index.html", "#sort=max")  # +inf first
+    assert re.findall(r'<a href="unit.html#u=(\d+)">', table) == ["0", "1"]
+    assert "Infinity" in rendered(tmp_path / "unit.html", "#u=0")
+    for bad in ("#u=abc", "#u=7", "#sort=toString"):
+        page = "index.html" if "sort" in bad else "unit.html"
+        dom = rendered(tmp_path / page, bad)
+        assert ("no unit" in dom) if page == "unit.html" else ('href="unit.html#u=1"' in dom)

@@ -438,7 +438,9 @@ def test_memory_stays_flat_on_a_store_larger_than_a_shuffle_window(tmp_path: Pat
         assert fact["rows"] == rows and fact["sum"] == pytest.approx(expected)
         assert fact["lightning"] == []  # the reader is the core: no Lightning
     growth_mib = (facts[16384]["peak_kib"] - facts[4096]["peak_kib"]) / 1024
-    assert growth_mib < 6, facts  # the store grew by 48 MiB
+    # the store grew by 48 MiB; the allocator's noise between two processes running beside
+    # other tests reached 7 MiB in CI (a 6 MiB bound failed once in five runs)
+    assert growth_mib < 12, facts
 
 
 # The example

@@ -27,13 +27,13 @@ import argparse
 import json
 import os
 import pickle
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import peak_memory
 import torch
 from common import run_facts, spread
 
@@ -80,25 +80,12 @@ def _rss() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak() -> int:
-    """The peak resident bytes of this process so far (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak() -> None:
-    """Let VmHWM start from the RSS of now (Linux: write 5 to clear_refs)."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def child(kind: str, path: Path, epoch_up_to: int) -> dict[str, Any]:
     """One measurement, in this fresh process."""
     from lightning_iocatch import FeatureStore, StoreRows
     from lightning_iocatch.store import prepare_store
 
-    _reset_peak()
+    peak_memory.reset_peak()
     before = _rss()
     start = time.perf_counter()
     if kind == "open":
@@ -119,7 +106,7 @@ def child(kind: str, path: Path, epoch_up_to: int) -> dict[str, Any]:
                 break
         result = {"rows_per_s": rows / (time.perf_counter() - start), "rss_mib": rss}
     result["seconds"] = time.perf_counter() - start
-    result["peak_growth_mib"] = (_peak() - before) / 2**20
+    result["peak_growth_mib"] = (peak_memory.peak() - before) / 2**20
     return result
 
 

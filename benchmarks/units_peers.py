@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import peak_memory
 import torch
 
 KEY = "sae_in"  # the stored residual activations a SAE reads
@@ -140,18 +140,6 @@ def _rss_parts() -> dict[str, int]:
         if line.startswith(("RssAnon:", "RssFile:")):
             parts[line[3:7].lower() + "_mib"] = round(int(line.split()[1]) / 1024)
     return parts
-
-
-def _peak() -> int:
-    """VmHWM: the peak resident bytes since the last reset."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from the RSS of now
 
 
 # The kinds: each returns (rows, facts) and may save its top values for a check
@@ -293,7 +281,7 @@ def child(kind: str, path: Path, up_to: int, save: Path | None) -> dict[str, Any
     encoder = Encoder()
     store = FeatureStore(path)
     warmed = warm(path)
-    _reset_peak()
+    peak_memory.reset_peak()
     before = _rss()
     marks = Marks()
     marks.watch(store)
@@ -301,7 +289,7 @@ def child(kind: str, path: Path, up_to: int, save: Path | None) -> dict[str, Any
     with torch.inference_mode():
         rows, facts = KINDS[kind](store, encoder, up_to)
     seconds = time.perf_counter() - start
-    peak = _peak()
+    peak = peak_memory.peak()
     saved = {name: facts.pop(name) for name in ("top", "active") if name in facts}
     if "later" in facts:
         saved = facts.pop("later")()

@@ -84,6 +84,7 @@ class ProbeSink(CaptureSink):
                 "own `name=`, which names its logged values and summaries"
             )
         self.probes = list(probes)
+        self._wants_coordinates = any(getattr(p, "wants_coordinates", False) for p in probes)
         self.tokens = tokens
         self._real_tokens = _token_rule(tokens)
         self._metrics: dict[tuple[int, str, int], Metric] = {}
@@ -157,8 +158,7 @@ class ProbeSink(CaptureSink):
     def _coordinates(self, batch: Any, tokens: torch.Tensor | None) -> dict[str, Any]:
         """The masked tokens' positions and ids, for probes that name examples (computed
         once per batch where one does; as a dump with the same ``TokenRows`` records them)."""
-        wanted = any(getattr(probe, "wants_coordinates", False) for probe in self.probes)
-        if not wanted or tokens is None:
+        if not self._wants_coordinates or tokens is None:
             return {}  # such a probe finds them in the batch itself
         rule = self.tokens if isinstance(self.tokens, TokenRows) else TokenRows()
         positions, ids = token_coordinates(

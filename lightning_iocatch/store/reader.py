@@ -298,14 +298,14 @@ class FeatureStore:
         reads only every ``n``-th batch from the ``r``-th: one process's share of ``n``."""
         self._check_key(key)
         self._refuse_unless_rows(key, any_shape=True)
-        part, parts = share
-        holders = self._holders(key)[part::parts]
+        holders = self._holders(key)
         coordinates = [
             name
             for name in (POSITION_KEY, TOKEN_ID_KEY)
-            if name != key and all(name in batch.keys for batch in self._holders(key))
+            if name != key and all(name in batch.keys for batch in holders)
         ]
-        yield from read_row_batches(holders, key, coordinates)
+        part, parts = share
+        yield from read_row_batches(holders[part::parts], key, coordinates)
 
     def _refuse_unless_rows(self, key: str, *, any_shape: bool = False) -> None:
         holders = self._holders(key)

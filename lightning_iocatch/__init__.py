@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     )
     from lightning_iocatch.errors import CaptureError, SpecError, StoreError, UnknownModuleError
     from lightning_iocatch.lightning import (
+        AttributionPatching,
         BatchCaptures,
         CaptureSink,
         FeatureWriter,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from lightning_iocatch.store import FeatureStore, StoreRows, TokenRows
 
 _HOMES = {
+    "AttributionPatching": "lightning",
     "IOCaptureCallback": "lightning",
     "InterventionEffects": "lightning",
     "CaptureBuffer": "capture",
@@ -68,6 +70,7 @@ _HOMES = {
 }
 
 __all__ = [
+    "AttributionPatching",
     "BatchCaptures",
     "CaptureBuffer",
     "CaptureError",

@@ -65,6 +65,7 @@ __all__ = [
     "attribution_patching",
     "components",
     "exact_patching",
+    "patched_metric",
 ]
 
 CONVENTIONS = ("denoising", "noising")
@@ -163,11 +164,13 @@ def components(
 @dataclass
 class Attribution:
     """One batch's attribution: ``scores[convention][key]`` per sample (``[batch, ...]``,
-    float32 or wider), and the metric per sample of each run (``metric["clean"]``,
-    ``metric["corrupted"]``)."""
+    float32 or wider), the metric per sample of each run (``metric["clean"]``,
+    ``metric["corrupted"]``) and each component's value in each run (``values[run][key]``,
+    for :func:`patched_metric`)."""
 
     scores: dict[str, dict[str, torch.Tensor]]
     metric: dict[str, torch.Tensor]
+    values: dict[str, dict[str, torch.Tensor]]
 
 
 def attribution_patching(
@@ -203,7 +206,7 @@ def attribution_patching(
             key = component.key
             delta = values[source][key] - values[base][key]
             scores[convention][key] = component.product(delta, grads[base][key])
-    return Attribution(scores, metric)
+    return Attribution(scores, metric, values)
 
 
 def exact_patching(
@@ -254,14 +257,14 @@ def _pass(
     grad_ask = {f"grad_{kind}": names for kind, names in ask.items()} if grad else {}
     session = catcher(**ask, **grad_ask)  # type: ignore[arg-type]
     with session, recording_gradients():
-        metric = run(batch)
-        if grad:
-            try:
+        try:
+            metric = run(batch)
+            if grad:
                 _check_metric(metric)
-            except ValueError:
-                session._gradients.sites.clear()  # no backward will come: nothing to say
-                raise
-            torch.autograd.grad(metric.sum(), session.gradient_tensors(), allow_unused=True)
+                torch.autograd.grad(metric.sum(), session.gradient_tensors(), allow_unused=True)
+        except BaseException:
+            session._gradients.sites.clear()  # the failure is said: not also its gradients
+            raise
         captured = session.take()
     values = {c.key: c.value(_one_call(captured, c, c.kind)) for c in found}
     grads = {}

@@ -1,5 +1,5 @@
-"""The Lightning adapter: the callback, its sinks, the writer sink, the data module, and the
-effects of edits as validation metrics.
+"""The Lightning adapter: the callback, its sinks, the writer sink, the data module, the
+effects of edits and the attribution of a behaviour to components, as validation metrics.
 
 Everything here sits on the core (:mod:`lightning_iocatch.capture`,
 :mod:`lightning_iocatch.store`, :mod:`lightning_iocatch.probes`); nothing in the core
@@ -7,6 +7,7 @@ imports it. :mod:`~lightning_iocatch.lightning.batch_indices` is the one module 
 Lightning's private internals.
 """
 
+from lightning_iocatch.lightning.attribution import AttributionPatching
 from lightning_iocatch.lightning.callback import IOCaptureCallback
 from lightning_iocatch.lightning.datamodule import StoreDataModule
 from lightning_iocatch.lightning.effects import InterventionEffects
@@ -14,6 +15,7 @@ from lightning_iocatch.lightning.feature_writer import FeatureWriter
 from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink, MemorySink
 
 __all__ = [
+    "AttributionPatching",
     "BatchCaptures",
     "CaptureSink",
     "FeatureWriter",

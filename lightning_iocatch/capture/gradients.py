@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,7 +135,7 @@ class GradientSites:
                 tensor, changed = tensor.detach().requires_grad_(True), True
             place = len(site.tensors)
             site.tensors.append(tensor)
-            tensor.register_hook(lambda grad: site.receive(place, grad))
+            tensor.register_hook(_receiver(weakref.ref(site), place))
             return tensor
 
         attached = map_tensors(value, hooked)
@@ -171,6 +172,19 @@ class GradientSites:
                 gradient = {"args": gradient[0], "kwargs": gradient[1]}
             found.append((site.name, site.kind, gradient))
         return found
+
+
+def _receiver(site: weakref.ref[_Site], place: int) -> Callable[[torch.Tensor], None]:
+    """The tensor hook of ``site``'s tensor at ``place``. It holds the site weakly: the
+    site holds the tensor, and a tensor's hook that held it back would make a cycle through
+    autograd that Python's collector cannot see (every forward's graph kept for good)."""
+
+    def receive(grad: torch.Tensor) -> None:
+        found = site()
+        if found is not None:
+            found.receive(place, grad)
+
+    return receive
 
 
 def _nothing(obj: Any) -> None:

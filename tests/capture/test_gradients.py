@@ -211,3 +211,23 @@ def test_a_batch_made_under_inference_mode_gives_the_same_gradients() -> None:
     flat = flatten_captures(buf)
     got = flat.get("transformer.h.1/grad_outputs/0", flat.get("transformer.h.1/grad_outputs"))
     torch.testing.assert_close(got, expected[0], rtol=0, atol=1e-6)
+
+
+def test_a_taken_batch_leaves_no_graph_alive() -> None:
+    """A tensor hook that held its site back would keep every forward's graph for good
+    (a cycle through autograd that Python's collector cannot see)."""
+    import gc
+    import weakref
+
+    net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+    catcher = ModelIOCatcher(net, "cpu")
+    with catcher.from_spec("grad_outputs[0|1]") as buf:
+        with recording_gradients():
+            loss = net(torch.ones(3, 2)).sum()
+            sites = [weakref.ref(t) for t in catcher.session.gradient_tensors()]
+            torch.autograd.grad(loss, catcher.session.gradient_tensors())
+        del loss
+        catcher.session.take()
+    gc.collect()
+    assert len(sites) == 2 and all(site() is None for site in sites)
+    assert len(buf["0"]["grad_outputs"]) == 1  # the gradient itself is a copy of its own

@@ -2,9 +2,12 @@
 
 A session that asks for the gradient of ``m``'s outputs (or inputs) hooks ``m`` as it asks
 for its outputs (or inputs); in the forward the hook attaches each floating tensor of the
-value to the autograd graph (one that is not in it yet, such as the first site of a
-forward that began without gradients, becomes a leaf of its own, so no parameter needs
-``requires_grad``) and registers a tensor hook on it. A backward that reaches the tensor
+value to the autograd graph and registers a tensor hook on it. A tensor not in the graph
+yet (at the first site of a forward that began without gradients) is set to require
+gradients, so that every later use of it, the caller's too, is recorded, and set back
+once its gradient is captured; no parameter needs ``requires_grad``. (A parameter, or a
+tensor made under inference mode, is replaced by a copy instead: then only the uses of
+the copy, downstream of the module, count.) A backward that reaches the tensor
 (``loss.backward()``, or ``torch.autograd.grad(loss, session.gradient_tensors())``, which
 touches no parameter's ``.grad``) hands the hook its gradient. When the batch's captures
 are taken (:meth:`~lightning_iocatch.capture.session.CaptureSession.take`, or the session
@@ -95,6 +98,19 @@ class _Site:
     value: Any  # the structure, with the tensors that were hooked
     tensors: list[torch.Tensor] = field(default_factory=list)
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by place in `tensors`
+    handles: list[Any] = field(default_factory=list)  # the tensor hooks, removed at the end
+    flipped: list[torch.Tensor] = field(default_factory=list)  # requires_grad set here
+
+    def release(self) -> None:
+        """Remove the tensor hooks (one on a tensor that outlives the forward, such as a
+        parameter passed as an input, would stay on it for good) and give back the
+        ``requires_grad`` of the tensors that were set to require gradients here."""
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+        flipped, self.flipped = self.flipped, []
+        for tensor in flipped:
+            tensor.requires_grad_(False)
 
     def receive(self, place: int, grad: torch.Tensor) -> None:
         held = self.grads.get(place)
@@ -126,22 +142,37 @@ class GradientSites:
         _check_recording(name, kind)
         site = _Site(name, kind, value)
         changed = False
+        seen: dict[int, torch.Tensor] = {}  # a tensor given twice is one value, one leaf
 
         def hooked(tensor: torch.Tensor) -> torch.Tensor:
             nonlocal changed
             if not tensor.is_floating_point() and not tensor.is_complex():
                 return tensor
-            if not tensor.requires_grad:  # outside the graph: a leaf of its own
-                tensor, changed = tensor.detach().requires_grad_(True), True
+            if id(tensor) in seen:
+                return seen[id(tensor)]
+            given = tensor
+            if not tensor.requires_grad:  # outside the graph: it becomes a leaf of it
+                if isinstance(tensor, torch.nn.Parameter) or tensor.is_inference():
+                    copy = tensor.clone() if tensor.is_inference() else tensor.detach()
+                    tensor, changed = copy.requires_grad_(True), True  # a leaf of its own
+                else:  # every later use of the tensor is in the graph, also the caller's
+                    site.flipped.append(tensor.requires_grad_(True))
+            seen[id(given)] = tensor
             place = len(site.tensors)
             site.tensors.append(tensor)
-            tensor.register_hook(_receiver(weakref.ref(site), place))
+            site.handles.append(tensor.register_hook(_receiver(weakref.ref(site), place)))
             return tensor
 
         attached = map_tensors(value, hooked)
         site.value = attached
         self.sites.append(site)
         return attached if changed else None
+
+    def clear(self) -> None:
+        """Forget the batch's sites without capturing them (its backward failed)."""
+        sites, self.sites = self.sites, []
+        for site in sites:
+            site.release()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every hooked tensor of the batch so far, for ``torch.autograd.grad``."""
@@ -154,6 +185,8 @@ class GradientSites:
         ran while the session was open (a site off the loss' path is reached as zeros
         when another site of the forward is reached)."""
         sites, self.sites = self.sites, []
+        for site in sites:
+            site.release()
         if not sites:
             return []
         if not any(site.grads for site in sites):

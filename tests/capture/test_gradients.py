@@ -231,3 +231,32 @@ def test_a_taken_batch_leaves_no_graph_alive() -> None:
     gc.collect()
     assert len(sites) == 2 and all(site() is None for site in sites)
     assert len(buf["0"]["grad_outputs"]) == 1  # the gradient itself is a copy of its own
+
+
+def test_a_parameter_given_as_an_input_keeps_no_hook_and_one_tensor_is_one_value() -> None:
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * w, x * w
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.full((3,), 2.0))
+            self.scale = Scale()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            twice = torch.tanh(x)
+            a, _ = self.scale(twice, self.w)
+            return (a * twice).sum()  # `twice` twice: as the input and again here
+
+    net = Net()
+    x = torch.randn(4, 3)
+    catcher = ModelIOCatcher(net, "cpu")
+    for _ in range(3):
+        with catcher(grad_inputs=["scale"]) as buf, recording_gradients():
+            torch.autograd.grad(net(x), catcher.session.gradient_tensors())
+    assert not net.w._backward_hooks  # every forward's hook removed
+    got = buf["scale"]["grad_inputs"][0]["args"]
+    t = torch.tanh(x)
+    torch.testing.assert_close(got[0], 2.0 * t * 2.0)  # d/dt of (2t)*t, the use inside only
+    torch.testing.assert_close(got[1], (t * t).sum(0))

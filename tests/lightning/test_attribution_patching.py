@@ -113,7 +113,12 @@ def _patched(
     return sums
 
 
-def truth(n: int = 7) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+def truth(n: int = 7, bf16: bool = False) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        return _truth(n)
+
+
+def _truth(n: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     lm = LM().eval()
     totals: dict[str, Any] = {}
     terms = {"clean": 0.0, "corrupted": 0.0}
@@ -163,12 +168,51 @@ def test_validate_logs_the_hand_computed_attribution_and_exact_effects() -> None
     expected, maps = truth()
     assert set(atp.last_values) == set(expected)
     for name, value in expected.items():
-        assert atp.last_values[name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+        assert atp.last_values[name] == pytest.approx(value, rel=1e-6, abs=1e-12), name
     for name, value in maps.items():
         convention, key = name.split("/", 1)
-        torch.testing.assert_close(atp.scores[convention][key], value, rtol=1e-5, atol=1e-9)
+        scale = float(value.abs().max())  # float32 products: to 1e-6 of the map's scale
+        torch.testing.assert_close(atp.scores[convention][key], value, rtol=0, atol=1e-6 * scale)
     assert atp.scores["noising"][f"{HEADS}/inputs"].shape == (12, 4)  # positions x heads
     assert abs(expected["atp/denoising/model.transformer.h.2/outputs"]) > 1e-4
+
+
+def test_under_bf16_mixed_the_passes_run_as_the_validation_step_does() -> None:
+    atp = validate(devices=1, n=5, precision="bf16-mixed")
+    expected, _ = truth(5, bf16=True)
+    full, _ = truth(5)
+    for name, value in expected.items():
+        assert atp.last_values[name] == pytest.approx(value, rel=1e-6, abs=1e-12), name
+    name = "atp/denoising/model.transformer.h.2/outputs"
+    assert atp.last_values[name] != pytest.approx(full[name], rel=1e-4)  # autocast ran
+
+
+def test_a_shuffled_loader_of_batches_of_2_gives_the_same_figures() -> None:
+    atp = validate(devices=1)
+    shuffled = AttributionPatching(
+        SPEC, heads={HEADS: 4}, exact=EXACT, forward=lambda m, b: forward(m, b)
+    )
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[shuffled])  # fmt: skip
+    loader = DataLoader(pairs(7), batch_size=2, shuffle=True)
+    trainer.validate(LM(), loader, verbose=False)
+    for name, value in atp.last_values.items():
+        assert shuffled.last_values[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
+
+
+def test_a_capture_callback_beside_it_sees_only_the_loops_own_forwards() -> None:
+    from lightning_iocatch import IOCaptureCallback
+
+    capture = IOCaptureCallback("outputs[model.transformer.h.3]", keep_in_memory=True)
+    atp = AttributionPatching(SPEC, heads={HEADS: 4}, exact=EXACT, forward=forward)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[capture, atp])  # fmt: skip
+    trainer.validate(LM(), DataLoader(pairs(7), batch_size=2), verbose=False)
+    captured = capture.captures["validate"][0]["model.transformer.h.3"]["outputs"]
+    assert len(captured) == 4  # one per batch: the attribution's forwards are not captured
+    expected, _ = truth()
+    for name, value in expected.items():
+        assert atp.last_values[name] == pytest.approx(value, rel=1e-6, abs=1e-12), name
 
 
 def test_the_pairing_and_the_components_are_checked() -> None:

@@ -200,6 +200,30 @@ def test_a_shuffled_loader_of_batches_of_2_gives_the_same_figures() -> None:
         assert shuffled.last_values[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
 
 
+def test_fit_logs_each_validation_epoch_and_training_is_untouched() -> None:
+    module, alone = LM(), LM()
+    atp = AttributionPatching("outputs[model.transformer.h.*]", forward=forward)
+    data = DataLoader(pairs(4), batch_size=2)
+
+    def fit(lm: LM, callbacks: list[Any]) -> None:
+        torch.manual_seed(1)  # the same dropout masks in both trainings
+        trainer = pl.Trainer(
+            accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks,
+            num_sanity_val_steps=1,
+        )  # fmt: skip
+        trainer.fit(lm, data, data)
+
+    for lm in (module, alone):
+        lm.configure_optimizers = lambda lm=lm: torch.optim.SGD(lm.parameters(), lr=0.1)
+    fit(module, [atp])
+    fit(alone, [])
+    for mine, theirs in zip(module.parameters(), alone.parameters(), strict=True):
+        assert torch.equal(mine, theirs)  # the same training, step for step
+    assert "atp/denoising/model.transformer.h.1/outputs" in atp.last_values
+    assert len(module.seen) == 2 + 2 * 4  # the sanity batch, then 2 epochs
+
+
 def test_a_capture_callback_beside_it_sees_only_the_loops_own_forwards() -> None:
     from lightning_iocatch import IOCaptureCallback
 

@@ -1,0 +1,161 @@
+"""Gradients captured by IOCaptureCallback in real Trainer runs, against the truth.
+
+The truth: for every batch of the same DataLoader, the model run by hand outside
+Lightning with gradients on, plain hooks holding the tensors asked for, the summed
+next-token loss of the real tokens written here (float64), and ``torch.autograd.grad`` of
+it. Then the same dump on 2 DDP processes (this file is also the script they run) must
+store the 1-process rows.
+
+    python tests/lightning/test_gradient_capture.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, TokenRows
+from lightning_iocatch.capture.keys import flatten_captures
+from lightning_iocatch.store.names import POSITION_KEY
+from tests.conftest import ROOT, hook_count, run_script
+from tests.lightning_models import trainer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 50
+L0, L1 = "model.model.layers.0", "model.model.layers.1"
+
+
+class Llama(pl.LightningModule):
+    """A 3-block Llama of random weights; its steps call ``self.model(**batch)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            attn_implementation="eager",
+        )  # fmt: skip
+        self.model = transformers.LlamaForCausalLM(config)
+        self.step_hooks: list[int] = []  # capture hooks seen by each step's own forward
+
+    def forward(self, **batch: torch.Tensor) -> Any:
+        return self.model(**batch)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.step_hooks.append(hook_count(self))
+        self.model(**batch)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.step_hooks.append(hook_count(self))
+        return self.model(**batch).logits
+
+
+def padded(items: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Right padding to the batch's longest sequence, as a tokenizer's."""
+    width = max(len(item) for item in items)
+    ids = torch.zeros(len(items), width, dtype=torch.long)
+    mask = torch.zeros(len(items), width, dtype=torch.long)
+    for row, item in enumerate(items):
+        ids[row, : len(item)], mask[row, : len(item)] = item, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def loader(n: int = 7, batch_size: int = 3) -> DataLoader[Any]:
+    generator = torch.Generator().manual_seed(4)
+    lengths = [3 + (5 * i) % 6 for i in range(n)]  # 3..8 tokens: every batch is padded
+    items = [torch.randint(0, VOCAB, (k,), generator=generator) for k in lengths]
+    return DataLoader(items, batch_size=batch_size, collate_fn=padded)  # type: ignore[arg-type]
+
+
+def summed_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy summed over the real tokens (float64), written here."""
+    logp = torch.log_softmax(logits[:, :-1].double(), -1)
+    target = batch["input_ids"][:, 1:]
+    mask = batch["attention_mask"]
+    keep = (mask[:, 1:] * mask[:, :-1]).bool()
+    terms = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return terms[keep].sum()
+
+
+def by_hand(
+    module: Llama, batch: dict[str, torch.Tensor], sites: list[tuple[str, str]], bf16: bool = False
+) -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Per site ``(name, "outputs" | "inputs")``: the hidden state a plain hook sees in a
+    forward with gradients on, and ``torch.autograd.grad`` of the summed loss of it."""
+    modules = dict(module.named_modules())
+    held: dict[tuple[str, str], torch.Tensor] = {}
+    handles = []
+    for site in sites:
+        name, kind = site
+        if kind == "outputs":
+
+            def output(m: nn.Module, a: Any, out: Any, site: tuple[str, str] = site) -> None:
+                held[site] = out if isinstance(out, torch.Tensor) else out[0]
+
+            handles.append(modules[name].register_forward_hook(output))
+        else:
+
+            def inputs(m: nn.Module, a: Any, kw: Any, site: tuple[str, str] = site) -> None:
+                held[site] = a[0] if a else kw["hidden_states"]
+
+            handles.append(modules[name].register_forward_pre_hook(inputs, with_kwargs=True))
+    try:
+        module.eval()
+        with torch.enable_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = module.model(**batch).logits
+            grads = torch.autograd.grad(summed_loss(logits, batch), list(held.values()))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {site: (held[site].detach(), grad) for site, grad in zip(held, grads, strict=True)}
+
+
+def hidden(flat: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """The hidden state under ``prefix``: a block's whole output, or its first value."""
+    for key in (prefix, f"{prefix}/0", f"{prefix}/args/0", f"{prefix}/kwargs/hidden_states"):
+        if key in flat:
+            return flat[key]
+    raise KeyError(f"{prefix} not in {sorted(flat)}")
+
+
+def flat_batch(captured: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+    """The flat captures of batch ``batch_idx`` (each module called once per forward)."""
+    one = {n: {k: [v[batch_idx]] for k, v in kinds.items()} for n, kinds in captured.items()}
+    return flatten_captures(one)
+
+
+def unchanged_parameters(module: nn.Module) -> bool:
+    return all(p.grad is None and p.requires_grad for p in module.parameters())
+
+
+def test_validate_gradients_equal_autograd_grad_of_hand_written_hooks() -> None:
+    module = Llama()
+    spec = f"outputs[{L1}]|grad_outputs[{L0}|{L1}]|grad_inputs[{L1}]"
+    callback = IOCaptureCallback(spec, stages=["validate"])
+    trainer([callback]).validate(module, loader(), verbose=False)
+    assert module.step_hooks == [0, 0, 0]  # the step's own forward runs untouched
+    assert unchanged_parameters(module)
+    captured = callback.captures["validate"][0]
+    for batch_idx, batch in enumerate(loader()):
+        truth = by_hand(module, batch, [(L0, "outputs"), (L1, "outputs"), (L1, "inputs")])
+        flat = flat_batch(captured, batch_idx)
+        activations = hidden(flat, f"{L1}/outputs")
+        torch.testing.assert_close(activations, truth[L1, "outputs"][0], rtol=0, atol=0)
+        for name, kind in truth:
+            got = hidden(flat, f"{name}/grad_{kind}")
+            torch.testing.assert_close(got, truth[name, kind][1], rtol=0, atol=0)
+    assert unchanged_parameters(module)

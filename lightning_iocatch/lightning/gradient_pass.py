@@ -31,6 +31,7 @@ Examples:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -112,8 +113,13 @@ class GradientPass:
                         torch.autograd.grad(total, tensors, allow_unused=True)
                     del out  # the logits go before the captures are copied
                 return session.take()
+            except BaseException:
+                with warnings.catch_warnings():  # "no backward reached": the error says why
+                    warnings.simplefilter("ignore")
+                    session.close()
+                raise
             finally:
-                session.close()
+                session.close()  # a second close does nothing
 
     def _forward(self, pl_module: pl.LightningModule, batch: Any) -> Any:
         try:

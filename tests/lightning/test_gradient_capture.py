@@ -3,16 +3,11 @@
 The truth: for every batch of the same DataLoader, the model run by hand outside
 Lightning with gradients on, plain hooks holding the tensors asked for, the summed
 next-token loss of the real tokens written here (float64), and ``torch.autograd.grad`` of
-it. Then the same dump on 2 DDP processes (this file is also the script they run) must
-store the 1-process rows.
-
-    python tests/lightning/test_gradient_capture.py OUT_DIR
+it.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +20,7 @@ from torch.utils.data import DataLoader
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, TokenRows
 from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.store.names import POSITION_KEY
-from tests.conftest import ROOT, hook_count, run_script
+from tests.conftest import hook_count
 from tests.lightning_models import trainer
 
 transformers = pytest.importorskip("transformers")
@@ -159,3 +154,94 @@ def test_validate_gradients_equal_autograd_grad_of_hand_written_hooks() -> None:
             got = hidden(flat, f"{name}/grad_{kind}")
             torch.testing.assert_close(got, truth[name, kind][1], rtol=0, atol=0)
     assert unchanged_parameters(module)
+
+
+def real_tokens(batch: dict[str, torch.Tensor], value: torch.Tensor) -> tuple[Any, list[int]]:
+    """``value``'s rows at the batch's real tokens, sample by sample, and their positions."""
+    rows, positions = [], []
+    for i in range(len(value)):
+        for p in range(value.shape[1]):
+            if batch["attention_mask"][i, p]:
+                rows.append(value[i, p])
+                positions.append(p)
+    return torch.stack(rows), positions
+
+
+def test_a_predict_dump_of_token_rows_stores_the_gradients_of_the_real_tokens(
+    tmp_path: Path,
+) -> None:
+    module = Llama()
+    writer = FeatureWriter(tmp_path, tokens=TokenRows())
+    callback = IOCaptureCallback(
+        f"outputs[{L1}]|grad_outputs[{L1}]", stages=["predict"], writer=writer
+    )
+    trainer([callback]).predict(module, loader(), return_predictions=False)
+    assert module.step_hooks == [0, 0, 0] and unchanged_parameters(module)
+    rows, grads, positions, indices, start = [], [], [], [], 0
+    for batch in loader():
+        value, grad = by_hand(module, batch, [(L1, "outputs")])[L1, "outputs"]
+        rows.append(real_tokens(batch, value)[0])
+        selected, where = real_tokens(batch, grad)
+        grads.append(selected)
+        positions += where
+        indices += [
+            start + i
+            for i in range(len(grad))
+            for _ in range(int(batch["attention_mask"][i].sum()))
+        ]
+        start += len(grad)
+    store = FeatureStore(tmp_path)
+    assert store.indices.tolist() == indices
+    assert store[POSITION_KEY].tolist() == positions
+    assert torch.equal(store[f"{L1}/outputs"], torch.cat(rows))
+    assert torch.equal(store[f"{L1}/grad_outputs"], torch.cat(grads))
+
+
+def test_bf16_mixed_gradients_equal_hand_written_hooks_under_autocast() -> None:
+    module = Llama()
+    callback = IOCaptureCallback(f"grad_outputs[{L0}|{L1}.mlp]", stages=["test"])
+    trainer([callback], precision="bf16-mixed").test(module, loader(), verbose=False)
+    captured = callback.captures["test"][0]
+    for batch_idx, batch in enumerate(loader()):
+        truth = by_hand(module, batch, [(L0, "outputs"), (f"{L1}.mlp", "outputs")], bf16=True)
+        flat = flat_batch(captured, batch_idx)
+        for name, kind in truth:
+            got, want = hidden(flat, f"{name}/grad_{kind}"), truth[name, kind][1]
+            assert got.dtype == want.dtype  # float32 on the residual stream, bf16 in the MLP
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert {hidden(flat, f"{L1}.mlp/grad_outputs").dtype} == {torch.bfloat16}
+    assert unchanged_parameters(module)
+
+
+@pytest.mark.parametrize("gradients_first", [False, True])
+def test_a_callback_of_activations_beside_one_of_gradients_sees_only_the_steps_forward(
+    gradients_first: bool,
+) -> None:
+    module = Llama()
+    activations = IOCaptureCallback(f"outputs[{L0}]", stages=["validate"])
+    gradients = IOCaptureCallback(f"grad_outputs[{L1}]", stages=["validate"])
+    callbacks = [gradients, activations] if gradients_first else [activations, gradients]
+    trainer(callbacks).validate(module, loader(), verbose=False)
+    assert module.step_hooks == [1, 1, 1]  # the activations' hook only
+    outputs = activations.captures["validate"][0][L0]["outputs"]
+    grads = gradients.captures["validate"][0][L1]["grad_outputs"]
+    assert len(outputs) == len(grads) == 3  # one call per batch: the pass is apart
+    for batch_idx, batch in enumerate(loader()):
+        truth = by_hand(module, batch, [(L0, "outputs"), (L1, "outputs")])
+        torch.testing.assert_close(outputs[batch_idx], truth[L0, "outputs"][0], rtol=0, atol=0)
+        torch.testing.assert_close(grads[batch_idx], truth[L1, "outputs"][1], rtol=0, atol=0)
+    assert set(gradients.captures["validate"][0]) == {L1}
+
+
+def test_bad_arguments_are_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match="asks for gradients.*drop `early_exit`"):
+        IOCaptureCallback(f"grad_outputs[{L1}]", stages=["predict"], early_exit=True)
+    with pytest.raises(ValueError, match="`loss` define.*asks for no gradient.*grad_outputs"):
+        IOCaptureCallback(f"outputs[{L1}]", loss=lambda logits, batch: logits.sum())
+    with pytest.raises(ValueError, match="`forward` and `output`"):
+        IOCaptureCallback(f"outputs[{L1}]", forward=Llama.__call__, output=lambda out: out)
+    with pytest.raises(TypeError, match="`loss` must be a function"):
+        IOCaptureCallback(f"grad_outputs[{L1}]", loss="mean")  # type: ignore[arg-type]
+    mean = IOCaptureCallback(f"grad_outputs[{L1}]", loss=lambda logits, batch: logits.mean())
+    with pytest.raises(ValueError, match=r"returned \(\): it must return one loss per sample"):
+        trainer([mean]).validate(Llama(), loader(), verbose=False)

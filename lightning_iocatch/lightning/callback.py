@@ -67,7 +67,8 @@ class IOCaptureCallback(Callback):
             ``grad_outputs[...]`` and ``grad_inputs[...]`` capture the gradient of the loss
             with respect to a module's outputs or inputs: the callback then runs a forward
             and backward of its own at each batch's end, which gives every capture of the
-            spec; the step's forward runs untouched (:mod:`.gradient_pass`).
+            spec and applies ``edits``; the step's forward runs untouched
+            (:mod:`~lightning_iocatch.lightning.gradient_pass`).
         stages: the loops to capture in: ``"validate"`` (``trainer.validate`` and the
             validation loop of ``trainer.fit``), ``"test"``, ``"predict"``.
         device: where captured tensors are copied; ``None`` leaves them where they are.
@@ -97,14 +98,11 @@ class IOCaptureCallback(Callback):
             ``edit.for_batch(indices)`` with the batch's dataset indices (a
             :class:`~lightning_iocatch.capture.store_patch.StorePatch` patches each sample
             with its stored row; it refuses a DataLoader whose indices are unknown).
-        loss: with gradients in ``spec``: ``loss(logits, batch)`` -> per-sample losses, or
-            per-sample ``(sums, counts)``; the gradients are of their sum over the batch, so
-            each sample's is its own. Default
-            :func:`~lightning_iocatch.lightning.effect_terms.next_token_loss`.
-        forward: with gradients: ``forward(pl_module, batch)`` runs the model; default
-            ``pl_module(**batch)`` for a mapping, ``pl_module(x)`` for ``(x, y)``.
-        output: with gradients: the logits of what ``forward`` returns; default its
-            ``.logits``, or itself.
+        loss: with gradients in ``spec``, ``loss(logits, batch)`` -> per-sample losses or
+            ``(sums, counts)``, as for :class:`~lightning_iocatch.InterventionEffects` (and
+            its default); the gradients are of their sum, so each sample's is its own.
+        forward: with gradients, ``forward(pl_module, batch)`` runs the model (idem).
+        output: with gradients, the logits of what ``forward`` returns (idem).
 
     After a run, ``callback.captures[stage][dataloader_idx][name]["outputs"]`` holds one
     entry per call (the reference buffer layout), and

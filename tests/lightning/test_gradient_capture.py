@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, TokenRows
+from lightning_iocatch.capture import Steer
 from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.store.names import POSITION_KEY
 from tests.conftest import hook_count
@@ -245,3 +246,22 @@ def test_bad_arguments_are_refused_naming_the_fix() -> None:
     mean = IOCaptureCallback(f"grad_outputs[{L1}]", loss=lambda logits, batch: logits.mean())
     with pytest.raises(ValueError, match=r"returned \(\): it must return one loss per sample"):
         trainer([mean]).validate(Llama(), loader(), verbose=False)
+
+
+def test_the_callbacks_own_edits_apply_to_its_pass_and_not_to_the_step() -> None:
+    module = Llama()
+    steer = torch.linspace(-1, 1, 32)
+    edit = Steer(L0, steer, alpha=2.0)
+    callback = IOCaptureCallback(f"grad_outputs[{L1}]", stages=["validate"], edits=[edit])
+    trainer([callback]).validate(module, loader(), verbose=False)
+    assert module.step_hooks == [0, 0, 0]  # the step's forward is neither captured nor edited
+    handle = module.model.model.layers[0].register_forward_hook(lambda m, a, o: o + 2.0 * steer)
+    try:
+        for batch_idx, batch in enumerate(loader()):
+            want = by_hand(module, batch, [(L1, "outputs")])[L1, "outputs"][1]
+            got = callback.captures["validate"][0][L1]["grad_outputs"][batch_idx]
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        handle.remove()
+    unedited = by_hand(module, batch, [(L1, "outputs")])[L1, "outputs"][1]
+    assert not torch.allclose(got, unedited, rtol=0, atol=1e-3)  # the edit changes them

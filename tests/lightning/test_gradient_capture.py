@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, TokenRows
 from lightning_iocatch.capture import Steer
 from lightning_iocatch.capture.keys import flatten_captures
+from lightning_iocatch.probes import ActivationStats
 from lightning_iocatch.store.names import POSITION_KEY
 from tests.conftest import hook_count
 from tests.lightning_models import trainer
@@ -265,3 +267,25 @@ def test_the_callbacks_own_edits_apply_to_its_pass_and_not_to_the_step() -> None
         handle.remove()
     unedited = by_hand(module, batch, [(L1, "outputs")])[L1, "outputs"][1]
     assert not torch.allclose(got, unedited, rtol=0, atol=1e-3)  # the edit changes them
+
+
+def test_probes_of_gradients_log_numpy_statistics_of_the_real_tokens() -> None:
+    module = Llama()
+    callback = IOCaptureCallback(
+        f"grad_outputs[{L1}]", stages=["validate"], probes=[ActivationStats()]
+    )
+    logged = trainer([callback]).validate(module, loader(), verbose=False)[0]
+    rows = [
+        real_tokens(batch, by_hand(module, batch, [(L1, "outputs")])[L1, "outputs"][1])[0]
+        for batch in loader()
+    ]
+    values = torch.cat(rows).double().numpy()
+    expected = {
+        "mean": values.mean(),
+        "rms": np.sqrt((values**2).mean()),
+        "absmax": np.abs(values).max(),
+        "zero_frac": (values == 0).mean(),  # each sample's last token: no loss term after it
+    }
+    assert expected["zero_frac"] > 0
+    for stat, value in expected.items():
+        assert logged[f"iocatch/{L1}/grad_outputs/{stat}"] == pytest.approx(value, rel=1e-6), stat

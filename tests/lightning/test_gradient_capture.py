@@ -33,17 +33,23 @@ L0, L1 = "model.model.layers.0", "model.model.layers.1"
 
 
 class Llama(pl.LightningModule):
-    """A 3-block Llama of random weights; its steps call ``self.model(**batch)``."""
+    """A 3-block Llama (or GPT-2) of random weights; its steps call ``self.model(**batch)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpt2: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-            attn_implementation="eager",
-        )  # fmt: skip
-        self.model = transformers.LlamaForCausalLM(config)
+        if gpt2:
+            config = transformers.GPT2Config(
+                vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=3, n_head=4
+            )
+            self.model = transformers.GPT2LMHeadModel(config)
+        else:
+            config = transformers.LlamaConfig(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                attn_implementation="eager",
+            )  # fmt: skip
+            self.model = transformers.LlamaForCausalLM(config)
         self.step_hooks: list[int] = []  # capture hooks seen by each step's own forward
 
     def forward(self, **batch: torch.Tensor) -> Any:
@@ -140,19 +146,24 @@ def unchanged_parameters(module: nn.Module) -> bool:
     return all(p.grad is None and p.requires_grad for p in module.parameters())
 
 
-def test_validate_gradients_equal_autograd_grad_of_hand_written_hooks() -> None:
-    module = Llama()
-    spec = f"outputs[{L1}]|grad_outputs[{L0}|{L1}]|grad_inputs[{L1}]"
+@pytest.mark.parametrize("gpt2", [False, True], ids=["llama", "gpt2"])
+def test_validate_gradients_equal_autograd_grad_of_hand_written_hooks(gpt2: bool) -> None:
+    module = Llama(gpt2)
+    blocks = "model.transformer.h" if gpt2 else "model.model.layers"
+    first, second = f"{blocks}.0", f"{blocks}.1"
+    spec = f"outputs[{second}]|grad_outputs[{first}|{second}]|grad_inputs[{second}]"
     callback = IOCaptureCallback(spec, stages=["validate"])
     trainer([callback]).validate(module, loader(), verbose=False)
     assert module.step_hooks == [0, 0, 0]  # the step's own forward runs untouched
     assert unchanged_parameters(module)
     captured = callback.captures["validate"][0]
     for batch_idx, batch in enumerate(loader()):
-        truth = by_hand(module, batch, [(L0, "outputs"), (L1, "outputs"), (L1, "inputs")])
+        truth = by_hand(
+            module, batch, [(first, "outputs"), (second, "outputs"), (second, "inputs")]
+        )
         flat = flat_batch(captured, batch_idx)
-        activations = hidden(flat, f"{L1}/outputs")
-        torch.testing.assert_close(activations, truth[L1, "outputs"][0], rtol=0, atol=0)
+        activations = hidden(flat, f"{second}/outputs")
+        torch.testing.assert_close(activations, truth[second, "outputs"][0], rtol=0, atol=0)
         for name, kind in truth:
             got = hidden(flat, f"{name}/grad_{kind}")
             torch.testing.assert_close(got, truth[name, kind][1], rtol=0, atol=0)

@@ -80,12 +80,13 @@ def checked_gradient_pass(
     if not spec.has_gradients:
         named = [f"`{argument}`" for argument, value in given.items() if value is not None]
         if named:
+            names = " and ".join(named)
+            serve = "serves" if len(named) == 1 else "serve"
+            example = (spec.outputs or spec.inputs or ("model.layers.0",))[0]
             raise ValueError(
-                f"{' and '.join(named)} define the loss whose gradients a spec's "
-                f"grad_outputs[...] or grad_inputs[...] capture, but `spec` "
-                f"{spec.to_string()!r} asks for no gradient: add e.g. "
-                f"'grad_outputs[{(spec.outputs or spec.inputs or ('model.layers.0',))[0]}]' "
-                f"to it, or drop {' and '.join(named)}"
+                f"{names} only {serve} the gradients of a spec's grad_outputs[...] or "
+                f"grad_inputs[...], but `spec` {spec.to_string()!r} asks for no gradient: add "
+                f"e.g. 'grad_outputs[{example}]' to it, or drop {names}"
             )
         return None
     if early_exit:

@@ -250,9 +250,10 @@ def test_a_callback_of_activations_beside_one_of_gradients_sees_only_the_steps_f
 def test_bad_arguments_are_refused_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="asks for gradients.*drop `early_exit`"):
         IOCaptureCallback(f"grad_outputs[{L1}]", stages=["predict"], early_exit=True)
-    with pytest.raises(ValueError, match="`loss` define.*asks for no gradient.*grad_outputs"):
+    fix = r"asks for no gradient: add e.g. 'grad_outputs\[model.model.layers.1\]'"
+    with pytest.raises(ValueError, match=f"`loss` only serves the gradients.*{fix}"):
         IOCaptureCallback(f"outputs[{L1}]", loss=lambda logits, batch: logits.sum())
-    with pytest.raises(ValueError, match="`forward` and `output`"):
+    with pytest.raises(ValueError, match="`forward` and `output` only serve"):
         IOCaptureCallback(f"outputs[{L1}]", forward=Llama.__call__, output=lambda out: out)
     with pytest.raises(TypeError, match="`loss` must be a function"):
         IOCaptureCallback(f"grad_outputs[{L1}]", loss="mean")  # type: ignore[arg-type]

@@ -19,8 +19,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, TokenRows
-from lightning_iocatch.capture import Steer
+from lightning_iocatch.capture import Steer, Zero
 from lightning_iocatch.capture.keys import flatten_captures
+from lightning_iocatch.lightning.effects import InterventionEffects
 from lightning_iocatch.probes import ActivationStats
 from lightning_iocatch.store.names import POSITION_KEY
 from tests.conftest import hook_count
@@ -301,3 +302,19 @@ def test_probes_of_gradients_log_numpy_statistics_of_the_real_tokens() -> None:
     assert expected["zero_frac"] > 0
     for stat, value in expected.items():
         assert logged[f"iocatch/{L1}/grad_outputs/{stat}"] == pytest.approx(value, rel=1e-6), stat
+
+
+def test_intervention_effects_beside_it_log_what_they_log_alone() -> None:
+    def effects() -> InterventionEffects:
+        return InterventionEffects({"zero": [Zero(L0)]}, forward=lambda m, b: m.model(**b))
+
+    alone = effects()
+    trainer([alone]).validate(Llama(), loader(), verbose=False)
+    module, beside = Llama(), effects()
+    gradients = IOCaptureCallback(f"grad_outputs[{L1}]", stages=["validate"])
+    trainer([gradients, beside]).validate(module, loader(), verbose=False)  # its pass first
+    assert beside.last_values == alone.last_values
+    for batch_idx, batch in enumerate(loader()):
+        want = by_hand(module, batch, [(L1, "outputs")])[L1, "outputs"][1]
+        got = gradients.captures["validate"][0][L1]["grad_outputs"][batch_idx]
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

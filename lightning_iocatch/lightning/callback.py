@@ -33,12 +33,14 @@ from lightning_iocatch.checks import (
 )
 from lightning_iocatch.lightning.batch_indices import BatchIndexer
 from lightning_iocatch.lightning.callback_arguments import (
+    checked_gradient_pass,
     checked_sinks,
     checked_spec,
     checked_stages,
     described_edits,
 )
 from lightning_iocatch.lightning.feature_writer import FeatureWriter, bind_writers, writers_tokens
+from lightning_iocatch.lightning.gradient_pass import ForwardFn, LossFn, OutputFn
 from lightning_iocatch.lightning.predict_route import (
     PredictMember,
     join_predict_route,
@@ -56,12 +58,17 @@ _LookedUp = tuple[int, int, tuple[int, ...] | None, tuple[bool, ...] | None]
 
 
 class IOCaptureCallback(Callback):
-    """Capture inputs and outputs of named submodules of the LightningModule.
+    """Capture inputs and outputs of named submodules of the LightningModule, and gradients.
 
     Args:
         spec: what to capture, e.g. ``"outputs[model.layers.5]"`` (see
             :func:`~lightning_iocatch.parse_io_spec`). Names are those of
             ``pl_module.named_modules()``: ``model.layers.0`` for ``self.model.layers[0]``.
+            ``grad_outputs[...]`` and ``grad_inputs[...]`` capture the gradient of the loss
+            with respect to a module's outputs or inputs: the callback then runs a forward
+            and backward of its own at each batch's end, which gives every capture of the
+            spec and applies ``edits``; the step's forward runs untouched
+            (:mod:`~lightning_iocatch.lightning.gradient_pass`).
         stages: the loops to capture in: ``"validate"`` (``trainer.validate`` and the
             validation loop of ``trainer.fit``), ``"test"``, ``"predict"``.
         device: where captured tensors are copied; ``None`` leaves them where they are.
@@ -91,6 +98,11 @@ class IOCaptureCallback(Callback):
             ``edit.for_batch(indices)`` with the batch's dataset indices (a
             :class:`~lightning_iocatch.capture.store_patch.StorePatch` patches each sample
             with its stored row; it refuses a DataLoader whose indices are unknown).
+        loss: with gradients in ``spec``, ``loss(logits, batch)`` -> per-sample losses or
+            ``(sums, counts)``, as for :class:`~lightning_iocatch.InterventionEffects` (and
+            its default); the gradients are of their sum, so each sample's is its own.
+        forward: with gradients, ``forward(pl_module, batch)`` runs the model (idem).
+        output: with gradients, the logits of what ``forward`` returns (idem).
 
     After a run, ``callback.captures[stage][dataloader_idx][name]["outputs"]`` holds one
     entry per call (the reference buffer layout), and
@@ -135,10 +147,14 @@ class IOCaptureCallback(Callback):
         capture_sanity_check: bool = False,
         pinned_memory_bytes: int = 256 << 20,
         edits: Sequence[Edit] = (),
+        loss: LossFn | None = None,
+        forward: ForwardFn | None = None,
+        output: OutputFn | None = None,
     ) -> None:
         self.spec = checked_spec(spec)
         early_exit = check_bool("early_exit", early_exit)
         self.stages = checked_stages(stages, early_exit)
+        self._gradients = checked_gradient_pass(self.spec, early_exit, loss, forward, output)
         sinks, self.probes = checked_sinks(writer, probes, sinks, edits, self.stages, probe_tokens)
         self.device = parse_device("device", device)
         self.dtype = parse_dtype("dtype", dtype)
@@ -246,7 +262,7 @@ class IOCaptureCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._batch_end("validate", batch, batch_idx, dataloader_idx)
+        self._batch_end("validate", trainer, pl_module, batch, batch_idx, dataloader_idx)
 
     @override
     def on_test_batch_end(
@@ -258,7 +274,7 @@ class IOCaptureCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._batch_end("test", batch, batch_idx, dataloader_idx)
+        self._batch_end("test", trainer, pl_module, batch, batch_idx, dataloader_idx)
 
     @override
     def on_predict_batch_end(
@@ -270,7 +286,7 @@ class IOCaptureCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._batch_end("predict", batch, batch_idx, dataloader_idx)
+        self._batch_end("predict", trainer, pl_module, batch, batch_idx, dataloader_idx)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -323,7 +339,8 @@ class IOCaptureCallback(Callback):
         session = catcher.from_spec(self.spec, early_exit=early_exit, edits=self.edits)
         for sink in self._sinks:
             sink.on_loop_start(trainer, pl_module, stage)
-        session.open()
+        if self._gradients is None:  # else open only around the batch's gradient pass
+            session.open()
         self._session, self._stage = session, stage
         self._indexer = BatchIndexer(stage)
         if stage == "predict":
@@ -349,7 +366,10 @@ class IOCaptureCallback(Callback):
             self._select_tokens(batch)
         if self.edits:
             refuse_left_padding(self.edits, batch)
-            self._session.set_batch_indices(indices)
+            if self._gradients is None:  # else set in the pass, once its session is open
+                self._session.set_batch_indices(indices)
+        if self._gradients is not None and not self._skip_step:
+            self._gradients.keep(batch)
 
     def _decide_skip(self, dataloader_idx: int, indices: tuple[int, ...] | None) -> None:
         self._skip_step = bool(self._sinks) and all(
@@ -364,17 +384,28 @@ class IOCaptureCallback(Callback):
         selection = None if self._skip_step else self._token_rows.select(batch)
         self._session.take(transform=selection)
 
-    def _batch_end(self, stage: str, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
+    def _batch_end(
+        self,
+        stage: str,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
         if self._session is None or self._stage != stage:
             return
-        captures = self._session.take()
-        tokens = captures.transform  # what this batch was captured with
         looked_up, self._looked_up = self._looked_up, None
-        if self._skip_step:
-            return  # captured only because another callback needed the forward
         indices, repeated = None, None  # looked up at the batch's start, never twice
         if looked_up is not None and looked_up[:2] == (batch_idx, dataloader_idx):
             indices, repeated = looked_up[2:]
+        if self._gradients is not None and not self._skip_step:
+            captures = self._gradients.run(self._session, trainer, pl_module, stage, indices)
+        else:
+            captures = self._session.take()
+        tokens = captures.transform  # what this batch was captured with
+        if self._skip_step:
+            return  # captured only because another callback needed the forward
         selection = tokens if isinstance(tokens, TokenSelection) else None
         record = BatchCaptures(
             stage, batch_idx, dataloader_idx, captures, indices, batch, repeated, selection

@@ -20,10 +20,17 @@ from lightning_iocatch.capture.edits import Edit
 from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.errors import SpecError
 from lightning_iocatch.lightning.feature_writer import FeatureWriter
+from lightning_iocatch.lightning.gradient_pass import ForwardFn, GradientPass, LossFn, OutputFn
 from lightning_iocatch.lightning.probe_sink import ProbeSink, ProbeTokens
 from lightning_iocatch.lightning.sinks import STAGES, CaptureSink
 
-__all__ = ["checked_sinks", "checked_spec", "checked_stages", "described_edits"]
+__all__ = [
+    "checked_gradient_pass",
+    "checked_sinks",
+    "checked_spec",
+    "checked_stages",
+    "described_edits",
+]
 
 
 def checked_spec(spec: Any) -> CaptureSpec:
@@ -55,6 +62,41 @@ def checked_stages(stages: Sequence[str] | str, early_exit: bool) -> tuple[str, 
             "`early_exit`"
         )
     return tuple(dict.fromkeys(stages))
+
+
+def checked_gradient_pass(
+    spec: CaptureSpec,
+    early_exit: bool,
+    loss: LossFn | None,
+    forward: ForwardFn | None,
+    output: OutputFn | None,
+) -> GradientPass | None:
+    """The pass that computes the gradients ``spec`` asks for (``None``: it asks for none);
+    ``loss``, ``forward`` and ``output`` only mean something with gradients."""
+    given = {"loss": loss, "forward": forward, "output": output}
+    for argument, value in given.items():
+        if value is not None and not callable(value):
+            raise TypeError(f"`{argument}` must be a function, got {type(value).__name__}")
+    if not spec.has_gradients:
+        named = [f"`{argument}`" for argument, value in given.items() if value is not None]
+        if named:
+            names = " and ".join(named)
+            serve = "serves" if len(named) == 1 else "serve"
+            example = (spec.outputs or spec.inputs or ("model.layers.0",))[0]
+            raise ValueError(
+                f"{names} only {serve} the gradients of a spec's grad_outputs[...] or "
+                f"grad_inputs[...], but `spec` {spec.to_string()!r} asks for no gradient: add "
+                f"e.g. 'grad_outputs[{example}]' to it, or drop {names}"
+            )
+        return None
+    if early_exit:
+        raise ValueError(
+            f"`early_exit=True` stops each forward after its last capture, but `spec` "
+            f"{spec.to_string()!r} asks for gradients, which need the whole forward up to the "
+            "loss and its backward: drop `early_exit`, or capture gradients with another "
+            "IOCaptureCallback"
+        )
+    return GradientPass(loss, forward, output)
 
 
 def checked_sinks(

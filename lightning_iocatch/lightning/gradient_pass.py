@@ -1,0 +1,160 @@
+"""The gradient pass of :class:`~lightning_iocatch.lightning.callback.IOCaptureCallback`.
+
+Lightning's validation, test and predict loops run under ``inference_mode``, where no
+gradient can be recorded. A callback whose spec asks for gradients (``grad_outputs[...]``,
+``grad_inputs[...]``) therefore leaves the step's own forward untouched (its session is
+not open then) and runs one pass of its own at the batch's end:
+
+1. the batch as the loader gave it (cloned at the batch's start, outside inference mode,
+   before the step can write into it);
+2. ``forward(pl_module, batch)`` in the loop's precision (the precision plugin's step
+   context: autocast under ``bf16-mixed``) and under
+   :func:`~lightning_iocatch.capture.gradients.recording_gradients`, with the session open
+   apart from every other session on the model (another callback's session neither
+   captures nor edits this pass, and this pass adds no call to its buffer);
+3. the loss: the sum over the batch of each sample's loss (``loss(output(out), batch)``
+   returns per-sample losses, or per-sample ``(sums, counts)`` as
+   :func:`~lightning_iocatch.lightning.effect_terms.next_token_loss` does), so each
+   sample's gradient is its own whatever the batch size or the number of processes;
+4. ``torch.autograd.grad(total, session.gradient_tensors())``: no parameter's ``.grad``
+   or ``requires_grad`` changes; then ``session.take()``, the batch's captures (the spec's
+   activations and gradients of this one forward), handed to the sinks as ever.
+
+The loss, forward and output functions mean what they mean for
+:class:`~lightning_iocatch.lightning.effects.InterventionEffects`, with the same defaults.
+
+Examples:
+    >>> gradients = GradientPass()
+    >>> gradients.loss.__name__, gradients.forward.__name__, gradients.output.__name__
+    ('next_token_loss', 'default_forward', 'default_output')
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_iocatch.capture.buffer import CaptureBuffer
+from lightning_iocatch.capture.gradients import recording_gradients
+from lightning_iocatch.capture.session import CaptureSession
+from lightning_iocatch.capture.snapshots import map_tensors
+from lightning_iocatch.lightning.effect_terms import (
+    default_forward,
+    default_output,
+    next_token_loss,
+)
+
+__all__ = ["ForwardFn", "GradientPass", "LossFn", "OutputFn", "step_context"]
+
+LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+ForwardFn = Callable[[pl.LightningModule, Any], Any]
+OutputFn = Callable[[Any], torch.Tensor]
+
+
+class GradientPass:
+    """One batch's forward and backward for the gradients a session asks for.
+
+    Args:
+        loss: ``loss(logits, batch)`` -> per-sample losses, or per-sample ``(sums,
+            counts)``; default :func:`~lightning_iocatch.lightning.effect_terms.next_token_loss`.
+        forward: ``forward(pl_module, batch)`` runs the model; default
+            :func:`~lightning_iocatch.lightning.effect_terms.default_forward`.
+        output: the logits of what ``forward`` returns; default
+            :func:`~lightning_iocatch.lightning.effect_terms.default_output`.
+    """
+
+    def __init__(
+        self,
+        loss: LossFn | None = None,
+        forward: ForwardFn | None = None,
+        output: OutputFn | None = None,
+    ) -> None:
+        self.loss: LossFn = loss or next_token_loss
+        self.forward: ForwardFn = forward or default_forward
+        self.output: OutputFn = output or default_output
+        self._given: Any = None
+
+    def keep(self, batch: Any) -> None:
+        """Keep the batch as the loader gave it, as tensors that can be saved for backward
+        (a clone made outside inference mode), before the step may write into it."""
+        with torch.inference_mode(False):
+            self._given = map_tensors(batch, torch.clone)
+
+    def run(
+        self,
+        session: CaptureSession,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        stage: str,
+        indices: tuple[int, ...] | None,
+    ) -> CaptureBuffer:
+        """The batch's captures: ``session`` open, apart from other sessions on the model,
+        around one forward in ``stage``'s step context and the backward of the summed loss."""
+        batch, self._given = self._given, None
+        if batch is None:
+            raise RuntimeError("GradientPass.run without a batch kept at the batch's start")
+        context = step_context(trainer, stage)
+        with session.catcher.coordinator.apart(pl_module):
+            session.open()
+            try:
+                if session.edits:  # after open(), which resets the batch's edits
+                    session.set_batch_indices(indices)
+                with recording_gradients():
+                    with context():
+                        out = self._forward(pl_module, batch)
+                    total = self._total(self.output(out), batch)
+                    tensors = session.gradient_tensors()
+                    if tensors and total.requires_grad:  # the sites' hooks get the gradients
+                        torch.autograd.grad(total, tensors, allow_unused=True)
+                    del out  # the logits go before the captures are copied
+                return session.take()
+            except BaseException:
+                with warnings.catch_warnings():  # "no backward reached": the error says why
+                    warnings.simplefilter("ignore")
+                    session.close()
+                raise
+            finally:
+                session.close()  # a second close does nothing
+
+    def _forward(self, pl_module: pl.LightningModule, batch: Any) -> Any:
+        try:
+            return self.forward(pl_module, batch)
+        except TypeError as error:
+            if self.forward is not default_forward:
+                raise
+            call = "pl_module(**batch)" if isinstance(batch, Mapping) else "pl_module(batch[0])"
+            raise TypeError(
+                f"IOCaptureCallback ran the model for its gradients as `{call}` (its default "
+                f"`forward=`), which failed: {error}. Give `forward=` calling it as your step "
+                "does, e.g. IOCaptureCallback(spec, forward=lambda module, batch: "
+                "module(batch), output=lambda out: out.logits)"
+            ) from error
+
+    def _total(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
+        """The sum over the batch of each sample's loss (of its terms' sum)."""
+        value = self.loss(logits, batch)
+        sums = value[0] if isinstance(value, tuple) else value
+        if not isinstance(sums, torch.Tensor) or sums.dim() != 1:
+            shape = tuple(sums.shape) if isinstance(sums, torch.Tensor) else type(sums).__name__
+            raise ValueError(
+                f"IOCaptureCallback's `loss` returned {shape}: it must return one loss per "
+                "sample (a tensor of shape (batch,)), or per-sample (sums, counts); the "
+                "gradients are of their sum, so that each sample's gradient is its own"
+            )
+        return sums.sum()
+
+
+def step_context(trainer: pl.Trainer, stage: str) -> Callable[[], AbstractContextManager[Any]]:
+    """The precision plugin's context of ``stage``'s step (autocast under mixed precision)."""
+    precision = trainer.strategy.precision_plugin
+    contexts = {
+        "validate": precision.val_step_context,
+        "test": precision.test_step_context,
+        "predict": precision.predict_step_context,
+    }
+    return contexts[stage]

@@ -263,7 +263,7 @@ def _pass(
                 _check_metric(metric)
                 torch.autograd.grad(metric.sum(), session.gradient_tensors(), allow_unused=True)
         except BaseException:
-            session._gradients.clear()  # the failure is said: not also its gradients
+            session.discard_gradients()  # the failure is said: not also its gradients
             raise
         captured = session.take()
     values = {c.key: c.value(_one_call(captured, c, c.kind)) for c in found}

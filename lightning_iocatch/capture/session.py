@@ -198,6 +198,11 @@ class CaptureSession:
         :mod:`~lightning_iocatch.capture.gradients`)."""
         return self._gradients.tensors()
 
+    def discard_gradients(self) -> None:
+        """Forget the current batch's gradient sites without capturing them: the forward
+        or its backward failed, and that failure is the news (nothing is said of them)."""
+        self._gradients.clear()
+
     def _capture_gradients(self) -> None:
         for name, kind, gradient in self._gradients.collect():
             self._capture(name, kind, gradient)

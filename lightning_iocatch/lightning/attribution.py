@@ -209,23 +209,24 @@ class AttributionPatching(pl.Callback):
         clean, corrupted = self.pair(batch)
         counts: dict[int, torch.Tensor] = {}
 
+        precision = trainer.strategy.precision_plugin
+        context = (
+            precision.val_step_context if self._stage == "validate" else precision.test_step_context
+        )
+
         def run(one: Any) -> torch.Tensor:
             own = map_tensors(one, torch.clone)  # made outside inference mode: saveable
-            logits = self.output(self.forward(pl_module, map_tensors(own, torch.clone)))
+            with context():  # the forward as the step runs it; the loss outside, in float64
+                logits = self.output(self.forward(pl_module, map_tensors(own, torch.clone)))
             value = self.loss(logits, own)
             sums, terms = value if isinstance(value, tuple) else (value, torch.ones_like(value))
             counts[id(one)] = terms.detach().double()
             return sums
 
-        precision = trainer.strategy.precision_plugin
-        context = (
-            precision.val_step_context if self._stage == "validate" else precision.test_step_context
+        found = attribution_patching(
+            pl_module, self._components, run, clean, corrupted, self.conventions
         )
-        with context():
-            found = attribution_patching(
-                pl_module, self._components, run, clean, corrupted, self.conventions
-            )
-            exact = self._exact(pl_module, run, clean, corrupted, found.values, found.metric)
+        exact = self._exact(pl_module, run, clean, corrupted, found.values, found.metric)
         keep = _kept(repeated, len(found.metric["clean"]))
         sums = self._sums.setdefault(dataloader_idx, {})
         runs = {"clean": clean, "corrupted": corrupted}

@@ -37,7 +37,7 @@ __all__ = ["FeatureWriter", "bind_writers", "writers_tokens"]
 
 # The key of a module's whole output (a module that returns one tensor): the user asked
 # for exactly this tensor, so it must have a row per sample.
-_WHOLE_OUTPUT = re.compile(r"[^/]*/outputs(@[0-9]+)?")
+_WHOLE_OUTPUT = re.compile(r"[^/]*/(?:grad_)?outputs(@[0-9]+)?")
 
 
 def _required(key: str, tokens: bool) -> bool:

@@ -56,9 +56,15 @@ def validate(devices: int, n: int = 7, precision: str = "32-true") -> Attributio
     return atp
 
 
+BF16 = {"on": False}  # the forwards of the truth under bf16 autocast
+
+
 def _losses(lm: LM, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sample: the summed next-token cross-entropy over real tokens, float64."""
-    logits = forward(lm, batch).logits.double()
+    """Per sample: the summed next-token cross-entropy over real tokens, float64 (the
+    forward under autocast when BF16 says so, the loss outside it)."""
+    with torch.autocast("cpu", torch.bfloat16, enabled=BF16["on"]):
+        out = forward(lm, batch)
+    logits = out.logits.double()
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
     logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     keep = mask[:, 1:] & mask[:, :-1]
@@ -114,8 +120,11 @@ def _patched(
 
 
 def truth(n: int = 7, bf16: bool = False) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+    BF16["on"] = bf16
+    try:
         return _truth(n)
+    finally:
+        BF16["on"] = False
 
 
 def _truth(n: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:

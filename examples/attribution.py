@@ -284,12 +284,14 @@ def _position(t: int) -> str:
     return f"{t}\nP" if t == P else f"{t}\ncopy" if t == COPY else str(t)
 
 
-def table(result: dict[str, Any], metric: str, convention: str, top: int = 4) -> list[str]:
-    """The ``top`` cells by |AtP| and as many random others, AtP beside exact patching."""
+def table(
+    result: dict[str, Any], metric: str, convention: str, top: int = 4, random: int = 2
+) -> list[str]:
+    """The ``top`` cells by |AtP| and ``random`` others, AtP beside exact patching."""
     atp, exact = result["atp"][metric][convention], result["exact"][metric][convention]
-    order = atp.abs().flatten().argsort(descending=True).tolist()
+    order = atp.abs().flatten().argsort(descending=True, stable=True).tolist()
     shuffled = torch.randperm(len(order) - top, generator=torch.Generator().manual_seed(0))
-    picked = order[:top] + [order[top + i] for i in shuffled[:top].tolist()]
+    picked = order[:top] + [order[top + i] for i in shuffled[:random].tolist()]
     lines = []
     for n, cell in enumerate(picked):
         row, position = divmod(cell, SEQ)
@@ -308,26 +310,28 @@ def main() -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     result = run(args.out, quick=args.quick)
     logged = result["logged"]["loss"]
-    print(f"copying: {HALF} random tokens then the same {HALF}; token {P} corrupted, its copy "
-          f"predicted at position {COPY}; {len(result['data'])} pairs")  # fmt: skip
+    print(f"copying {HALF} random tokens; token {P} corrupted, its copy predicted at position "
+          f"{COPY}; {len(result['data'])} pairs")  # fmt: skip
     print(f"mean loss per token: clean {logged['atp/clean/loss']:.3f}, corrupted "
           f"{logged['atp/corrupted/loss']:.3f} (chance {math.log(VOCAB):.3f})")  # fmt: skip
+    print("the change of the metric when a cell is patched (loss: per token; logit difference: "
+          "per pair)")  # fmt: skip
     for metric in METRICS:
         for convention in CONVENTIONS:
-            print(f"{convention}, {metric} (per term): {'AtP':>9s} {'exact':>9s}")
+            print(f"{convention + ', ' + metric:28s} {'AtP':>9s} {'exact':>9s}")
             print("\n".join(table(result, metric, convention)))
-    print(f"AtP against exact patching over all {len(ROWS)} x {SEQ} cells: Pearson's r, and "
-          "the slope of AtP on exact (1: the right size)")  # fmt: skip
+    print(f"AtP against exact patching, all {len(ROWS)} x {SEQ} cells: Pearson's r, and the slope "
+          "(1: the right size)")  # fmt: skip
     header = [f"{c} {what}" for c in CONVENTIONS for what in ("r", "slope")]
     print(f"  {'':17s}" + "".join(f"{h:>16s}" for h in header))
     for metric, found in result["correlation"].items():
         scale = result["slope"][metric]
         cells = "".join(f"{found[c]:16.3f}{scale[c]:16.4f}" for c in CONVENTIONS)
         print(f"  {metric:17s}{cells}")
-    found = result["atp_heads"]["loss"]["denoising"]
-    row, position = divmod(int(found.abs().flatten().argmax()), SEQ)
-    print(f"the head of largest denoising AtP (loss): h.{row // HEADS} head {row % HEADS} at "
-          f"position {position} ({float(found[row, position]):+.4f})")  # fmt: skip
+    found = result["atp_heads"]["loss"]["denoising"][:, COPY].reshape(LAYERS, HEADS)
+    print(f"denoising AtP (loss) of each head at position {COPY}:")
+    for block, row in enumerate(found.tolist()):
+        print(f"  h.{block}  " + "".join(f"{value:+9.4f}" for value in row))
     print(f"heat maps: {result['heatmap']}")
 
 

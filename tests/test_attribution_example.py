@@ -68,8 +68,8 @@ def test_attribution_finds_the_copy_and_agrees_with_exact_patching(tmp_path: Pat
         best = truth.flatten()[cell]
         assert best.sign() == estimate.flatten()[cell].sign()
         assert best.abs() >= 0.95 * truth.abs().max(), (metric, convention)
-        assert result["correlation"][metric][convention] > 0.9  # 0.977-0.985 measured
-        assert 0.3 < result["slope"][metric][convention] < 1.3  # 0.45-0.95 measured
+        assert result["correlation"][metric][convention] > 0.9  # 0.976-0.986 measured (3 seeds)
+        assert 0.3 < result["slope"][metric][convention] < 1.3  # 0.39-0.97 measured (3 seeds)
 
     # noising the loss: the clean model is right with probability ~1, its loss's gradient ~0,
     # so AtP misses what exact patching finds (the docs' warning)

@@ -25,9 +25,15 @@ from lightning_iocatch.capture.edits import (
     Steer,
     Zero,
 )
+from lightning_iocatch.capture.gradients import recording_gradients
 from lightning_iocatch.capture.keys import flatten_captures, flatten_value
 from lightning_iocatch.capture.snapshots import NotCaptured, snapshot, transfer_to_device
-from lightning_iocatch.capture.spec import CaptureSpec, format_io_spec, parse_io_spec
+from lightning_iocatch.capture.spec import (
+    CaptureSpec,
+    format_io_spec,
+    parse_io_spec,
+    parse_sections,
+)
 from lightning_iocatch.capture.store_patch import PatchAt, StorePatch
 from lightning_iocatch.capture.variants import Variants
 
@@ -53,6 +59,8 @@ __all__ = [
     "format_io_spec",
     "module_index",
     "parse_io_spec",
+    "parse_sections",
+    "recording_gradients",
     "snapshot",
     "transfer_to_device",
 ]

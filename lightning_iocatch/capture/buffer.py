@@ -28,6 +28,9 @@ __all__ = ["CaptureBuffer", "Kind", "Pending"]
 Entries = dict[str, list[Any]]
 
 
+_KINDS = ("inputs", "outputs")  # a name's kinds unless told otherwise
+
+
 class Pending(Protocol):
     """An asynchronous copy still in flight (a :class:`~.pinned_ring.StagedCopy`)."""
 
@@ -71,10 +74,16 @@ class CaptureBuffer(Mapping[str, Entries]):
 
     @classmethod
     def empty(
-        cls, names: Iterable[str], transform: CaptureTransform | None = None
+        cls,
+        names: Iterable[str] | Mapping[str, Iterable[str] | None],
+        transform: CaptureTransform | None = None,
     ) -> CaptureBuffer:
-        """A buffer with no entries yet for each of ``names``, captured with ``transform``."""
-        return cls({name: {"inputs": [], "outputs": []} for name in names}, transform)
+        """A buffer with no entries yet for each of ``names``, captured with ``transform``.
+
+        ``names`` may map each name to its kinds (default ``inputs`` and ``outputs``; a
+        session that asks for gradients adds ``grad_inputs`` or ``grad_outputs``)."""
+        kinds = names if isinstance(names, Mapping) else dict.fromkeys(names)
+        return cls({name: dict.fromkeys(kinds[name] or _KINDS, ()) for name in kinds}, transform)
 
     def add(
         self,
@@ -97,7 +106,7 @@ class CaptureBuffer(Mapping[str, Entries]):
         self._waiting.append((name, kind, value, frozenset(transformed)))
 
     def _append(self, name: str, kind: Kind, value: Any, transformed: frozenset[str]) -> None:
-        entries = self._data[name][kind]
+        entries = self._data[name].setdefault(kind, [])
         if transformed:
             self._transformed[(name, kind, len(entries))] = transformed
         entries.append(value)
@@ -105,7 +114,7 @@ class CaptureBuffer(Mapping[str, Entries]):
     def calls(self, name: str, kind: Kind) -> int:
         """How many values of ``name``'s ``kind`` the buffer holds or waits for."""
         waiting = sum(1 for n, k, _, _ in self._waiting if (n, k) == (name, kind))
-        return len(self._data[name][kind]) + waiting
+        return len(self._data[name].get(kind, ())) + waiting
 
     def transformed_keys(self) -> set[str]:
         """The flat keys (see :mod:`~lightning_iocatch.capture.keys`) of the tensors the

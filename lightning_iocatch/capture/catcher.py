@@ -174,9 +174,13 @@ class ModelIOCatcher:
         early_exit: bool = False,
         transform: CaptureTransform | None = None,
         edits: Iterable[Edit] = (),
+        grad_inputs: Iterable[str] = (),
+        grad_outputs: Iterable[str] = (),
     ) -> CaptureSession:
-        """Request a session capturing ``inputs`` and ``outputs`` (names or globs), and
-        applying ``edits`` (see :mod:`~lightning_iocatch.capture.edits`) while it is open.
+        """Request a session capturing ``inputs`` and ``outputs`` (names or globs), the
+        gradients of ``grad_inputs`` and ``grad_outputs`` (see
+        :mod:`~lightning_iocatch.capture.gradients`), and applying ``edits`` (see
+        :mod:`~lightning_iocatch.capture.edits`) while it is open.
 
         Use as ``with catcher(inputs=[...], outputs=[...]) as buf:``. Unknown names raise
         ``KeyError`` (``UnknownModuleError``) with close matches; a request that selects
@@ -185,7 +189,13 @@ class ModelIOCatcher:
         batch's token selection.
         """
         inputs, outputs = _names("inputs", inputs), _names("outputs", outputs)
+        grad_in, grad_out = _names("grad_inputs", grad_inputs), _names("grad_outputs", grad_outputs)
         early_exit = check_bool("early_exit", early_exit)
+        if early_exit and (grad_in or grad_out):
+            raise ValueError(
+                "gradients are asked for with early_exit=True: a backward needs the whole "
+                "forward, up to the loss; give early_exit=False"
+            )
         if self._session is not None:
             raise CaptureError(
                 "a capture session is already open on this catcher; nested sessions would "
@@ -194,25 +204,42 @@ class ModelIOCatcher:
         index = self._modules()
         resolved_in = resolve_names(inputs, list(index))
         resolved_out = resolve_names(outputs, list(index))
+        resolved_grad_in = resolve_names(grad_in, list(index))
+        resolved_grad_out = resolve_names(grad_out, list(index))
         edits = list(edits)
         for edit in edits:
             if not isinstance(edit, Edit):
                 raise TypeError(f"`edits` takes Edit objects (Zero, Steer, ...), got {edit!r}")
             if resolve_names([edit.module], list(index)) != [edit.module]:
                 raise ValueError(f"an edit names {edit.module!r}: give one module's exact name")
-        if not resolved_in and not resolved_out and not edits:
+        if not (resolved_in or resolved_out or resolved_grad_in or resolved_grad_out or edits):
             raise ValueError(
-                "the capture request selects no module: give `inputs`, `outputs` or `edits`"
+                "the capture request selects no module: give `inputs`, `outputs`, "
+                "`grad_inputs`, `grad_outputs` or `edits`"
             )
         if transform is not None and not callable(getattr(transform, "capture", None)):
             raise TypeError(
                 "`transform` must have a `capture(tensor, site)` method (a CaptureTransform, "
                 f"such as TokenRows(...).select(batch)), got {type(transform).__name__}"
             )
-        names = (*resolved_in, *resolved_out, *(edit.module for edit in edits))
+        names = (
+            *resolved_in,
+            *resolved_out,
+            *resolved_grad_in,
+            *resolved_grad_out,
+            *(edit.module for edit in edits),
+        )
         modules = {name: index[name] for name in names}
         self._requested = CaptureSession(
-            self, modules, resolved_in, resolved_out, early_exit, transform, edits
+            self,
+            modules,
+            resolved_in,
+            resolved_out,
+            early_exit,
+            transform,
+            edits,
+            grad_inputs=resolved_grad_in,
+            grad_outputs=resolved_grad_out,
         )
         return self._requested
 
@@ -232,7 +259,15 @@ class ModelIOCatcher:
         parsed = spec if isinstance(spec, CaptureSpec) else CaptureSpec.parse(spec)
         if parsed.is_empty:
             raise ValueError(f"capture spec {parsed.to_string() or spec!r} selects no module")
-        return self(parsed.inputs, parsed.outputs, early_exit, transform, edits)
+        return self(
+            parsed.inputs,
+            parsed.outputs,
+            early_exit,
+            transform,
+            edits,
+            grad_inputs=parsed.grad_inputs,
+            grad_outputs=parsed.grad_outputs,
+        )
 
     def for_product(self, spec: str | CaptureSpec, early_exit: bool = True) -> CaptureSession:
         """Deprecated name of :meth:`from_spec`, which defaults to ``early_exit=False``.

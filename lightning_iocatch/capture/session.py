@@ -23,6 +23,7 @@ from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.compiled import prepare_for_hooks
 from lightning_iocatch.capture.coordinator import ForwardCoordinator
 from lightning_iocatch.capture.edits import Edit, RunningMean, apply_edits
+from lightning_iocatch.capture.gradients import GradientSites
 from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
 from lightning_iocatch.errors import CaptureError
@@ -62,17 +63,30 @@ class CaptureSession:
         early_exit: bool,
         transform: CaptureTransform | None = None,
         edits: Sequence[Edit] = (),
+        grad_inputs: Sequence[str] = (),
+        grad_outputs: Sequence[str] = (),
     ) -> None:
         self.catcher = catcher
         self.modules = modules
         self.inputs = inputs
         self.outputs = outputs
+        self.grad_inputs, self.grad_outputs = list(grad_inputs), list(grad_outputs)
         self.early_exit = early_exit
         self.edits = list(edits)
         self._batch_edits = self.edits  # the edits of the current batch (set_batch_indices)
         self._calls: dict[tuple[str, Kind], int] = {}  # calls in this forward, for edits
         self._applied = self._forwards = 0  # calls an edit changed; forwards of the model
-        self.buffer = CaptureBuffer.empty(dict.fromkeys([*inputs, *outputs]), transform)
+        kinds: dict[str, list[Kind]] = {}
+        for kind, names in (
+            ("inputs", inputs),
+            ("outputs", outputs),
+            ("grad_inputs", self.grad_inputs),
+            ("grad_outputs", self.grad_outputs),
+        ):
+            for name in names:
+                kinds.setdefault(name, []).append(kind)  # type: ignore[arg-type]
+        self.buffer = CaptureBuffer.empty(kinds, transform)
+        self._gradients = GradientSites()
         targets: list[tuple[str, Kind]] = [(n, "inputs") for n in inputs]
         targets += [(n, "outputs") for n in outputs]
         self._targets = frozenset(targets)
@@ -120,6 +134,14 @@ class CaptureSession:
             for name in self.outputs:
                 hook = _output_hook(self, name)
                 self._handles.append(self.modules[name].register_forward_hook(hook))
+            for name in self.grad_inputs:
+                hook = _grad_input_hook(self, name)
+                self._handles.append(
+                    self.modules[name].register_forward_pre_hook(hook, with_kwargs=True)
+                )
+            for name in self.grad_outputs:
+                hook = _grad_output_hook(self, name)
+                self._handles.append(self.modules[name].register_forward_hook(hook))
         except BaseException:
             self.close()
             raise
@@ -143,6 +165,7 @@ class CaptureSession:
                 "call asked for)",
                 stacklevel=2,
             )
+        self._capture_gradients()
         self.buffer.settle()
 
     def take(self, transform: CaptureTransform | None = None) -> CaptureBuffer:
@@ -160,12 +183,24 @@ class CaptureSession:
             >>> len(first["0"]["outputs"]), len(session.buffer["0"]["outputs"])
             (1, 1)
         """
+        self._capture_gradients()  # the batch's backward has run: its gradients are its own
         taken = self.buffer
         self.buffer = CaptureBuffer.empty(taken._data, transform)
         self._calls = {}  # a batch's forward starts: edits count calls from 0
         self._batch_edits = self.edits  # until the next batch's set_batch_indices
         taken.settle()
         return taken
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the current batch's gradient sites, in the graph: a backward that
+        reaches them gives the gradients asked for, e.g. ``torch.autograd.grad(loss,
+        session.gradient_tensors())``, which changes no parameter's ``.grad`` (see
+        :mod:`~lightning_iocatch.capture.gradients`)."""
+        return self._gradients.tensors()
+
+    def _capture_gradients(self) -> None:
+        for name, kind, gradient in self._gradients.collect():
+            self._capture(name, kind, gradient)
 
     def set_batch_indices(self, indices: Sequence[int] | None) -> None:
         """The next forwards are of a batch whose samples have the dataset ``indices`` (in
@@ -263,6 +298,26 @@ def _in_backward() -> bool:
     """True while autograd runs a backward pass: activation checkpointing then re-runs the
     forward of checkpointed layers, which is not a forward to capture."""
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _grad_input_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
+    @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _in_backward() or not session._acts():
+            return None  # a recomputation (activation checkpointing) is not a new call
+        return session._gradients.attach(name, "grad_inputs", (args, kwargs))
+
+    return hook
+
+
+def _grad_output_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
+    @torch.compiler.disable  # eager inside compiled code: exact values, real exceptions
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if _in_backward() or not session._acts():
+            return None
+        return session._gradients.attach(name, "grad_outputs", output)
+
+    return hook
 
 
 def _edit_hook(session: CaptureSession, name: str, kind: Kind) -> RemovableHandle:

@@ -2,10 +2,13 @@
 
 Grammar (whitespace is allowed around every token)::
 
-    spec    := section ( ["|"] section )?
-    section := ("inputs" | "outputs") "[" item ( "|" item )* "]"
+    spec    := section ( ["|"] section )*
+    section := ("inputs" | "outputs" | "grad_inputs" | "grad_outputs") "[" item ( "|" item )* "]"
 
-Each section may appear at most once, in any order, and may be empty (``inputs[]``).
+``grad_outputs[m]`` and ``grad_inputs[m]`` ask for the gradient of a loss with respect to
+``m``'s outputs or inputs, captured when a backward reaches them (see
+:mod:`~lightning_iocatch.capture.gradients`). Each section may appear at most once, in any
+order, and may be empty (``inputs[]``).
 Items are stripped and empty items are dropped. An item is a dotted module name as
 listed by ``model.named_modules()``, possibly with globs: ``*`` matches within one
 dotted component (``layers.*``, ``h.1*``), ``**`` matches any number of components,
@@ -31,14 +34,16 @@ __all__ = [
     "canonical_name",
     "format_io_spec",
     "parse_io_spec",
+    "parse_sections",
     "resolve_names",
     "unknown_name_message",
 ]
 
-SECTIONS = ("inputs", "outputs")
+SECTIONS = ("inputs", "outputs", "grad_inputs", "grad_outputs")
 LIST_NAMES_HINT = (
     "list valid names with `lightning-iocatch modules` or `[n for n, _ in model.named_modules()]`"
 )
+_EXPECTED = "'inputs[...]', 'outputs[...]', 'grad_inputs[...]' or 'grad_outputs[...]'"
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 WRAPPER_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -56,28 +61,35 @@ class CaptureSpec:
 
     Examples:
         >>> CaptureSpec.parse("inputs[model.h.0]|outputs[model.h.*]")
-        CaptureSpec(inputs=('model.h.0',), outputs=('model.h.*',))
-        >>> CaptureSpec(outputs=("a", "b")).to_string()
-        'outputs[a|b]'
+        CaptureSpec(inputs=('model.h.0',), outputs=('model.h.*',), grad_inputs=(), grad_outputs=())
+        >>> CaptureSpec(outputs=("a", "b"), grad_outputs=("a",)).to_string()
+        'outputs[a|b]|grad_outputs[a]'
     """
 
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
+    grad_inputs: tuple[str, ...] = ()
+    grad_outputs: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, spec: str) -> CaptureSpec:
         """Parse a spec string; raises :class:`SpecError` if it is malformed."""
-        inputs, outputs = parse_io_spec(spec)
-        return cls(tuple(inputs), tuple(outputs))
+        sections = parse_sections(spec)
+        return cls(*(tuple(sections[kind]) for kind in SECTIONS))
 
     @property
     def is_empty(self) -> bool:
         """True when the spec selects no module at all."""
-        return not self.inputs and not self.outputs
+        return not (self.inputs or self.outputs or self.grad_inputs or self.grad_outputs)
+
+    @property
+    def has_gradients(self) -> bool:
+        """True when the spec asks for a gradient (``grad_inputs`` or ``grad_outputs``)."""
+        return bool(self.grad_inputs or self.grad_outputs)
 
     def to_string(self) -> str:
         """The canonical spec string; ``CaptureSpec.parse(s.to_string()) == s``."""
-        return format_io_spec(self.inputs, self.outputs)
+        return format_io_spec(self.inputs, self.outputs, self.grad_inputs, self.grad_outputs)
 
 
 def _error(spec: str, pos: int, problem: str) -> SpecError:
@@ -96,14 +108,15 @@ def _section_word_problem(word: str) -> str:
         return f"section words are lower case: write {word.lower()!r}, not {word!r}"
     close = difflib.get_close_matches(word.lower(), SECTIONS, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"unknown section {word!r}, expected 'inputs[...]' or 'outputs[...]'{hint}"
+    return f"unknown section {word!r}, expected {_EXPECTED}{hint}"
 
 
 def parse_io_spec(spec: str) -> tuple[list[str], list[str]]:
     """Parse a capture spec into ``(inputs, outputs)`` lists of module names or globs.
 
-    Both sections are optional; ``|`` separates items inside brackets and, optionally,
-    the two sections. Whitespace and empty items are dropped. Anything else, such as a
+    A spec with gradient sections is refused here (it has more than two lists): use
+    :meth:`CaptureSpec.parse` or :func:`parse_sections`. Every section is optional; ``|``
+    separates items inside brackets and, optionally, the sections. Whitespace and empty items are dropped. Anything else, such as a
     misspelled or mis-cased section word, a section given twice, unbalanced or nested
     brackets, stray text or an empty spec, raises :class:`SpecError` with a pointer to
     the offending position.
@@ -116,10 +129,26 @@ def parse_io_spec(spec: str) -> tuple[list[str], list[str]]:
         >>> parse_io_spec("output[a]")
         Traceback (most recent call last):
         ...
-        lightning_iocatch.errors.SpecError: invalid capture spec 'output[a]': unknown section 'output', expected 'inputs[...]' or 'outputs[...]'; did you mean 'outputs'?
+        lightning_iocatch.errors.SpecError: invalid capture spec 'output[a]': unknown section 'output', expected 'inputs[...]', 'outputs[...]', 'grad_inputs[...]' or 'grad_outputs[...]'; did you mean 'outputs'?
           output[a]
           ^
     """  # noqa: E501
+    sections = parse_sections(spec)
+    if sections["grad_inputs"] or sections["grad_outputs"]:
+        raise SpecError(
+            f"capture spec {spec!r} asks for gradients, which `parse_io_spec` (inputs and "
+            "outputs) cannot return: use CaptureSpec.parse(spec) or parse_sections(spec)"
+        )
+    return sections["inputs"], sections["outputs"]
+
+
+def parse_sections(spec: str) -> dict[str, list[str]]:
+    """Parse a capture spec into its four sections' lists of module names or globs.
+
+    Examples:
+        >>> parse_sections("outputs[h.0]|grad_outputs[h.0|h.1]")
+        {'inputs': [], 'outputs': ['h.0'], 'grad_inputs': [], 'grad_outputs': ['h.0', 'h.1']}
+    """
     if not isinstance(spec, str):
         raise SpecError(f"a capture spec must be a string, got {type(spec).__name__}: {spec!r}")
     sections: dict[str, list[str]] = {}
@@ -138,7 +167,7 @@ def parse_io_spec(spec: str) -> tuple[list[str], list[str]]:
                 if spec[pos] in "[]"
                 else f"unexpected text {spec[pos:]!r}"
             )
-            raise _error(spec, pos, f"{problem}, expected 'inputs[...]' or 'outputs[...]'")
+            raise _error(spec, pos, f"{problem}, expected {_EXPECTED}")
         name = word.group()
         if name not in SECTIONS:
             raise _error(spec, pos, _section_word_problem(name))
@@ -153,7 +182,7 @@ def parse_io_spec(spec: str) -> tuple[list[str], list[str]]:
         body = spec[open_at + 1 : close_at]
         sections[name] = [item.strip() for item in body.split("|") if item.strip()]
         pos = _skip_space(spec, close_at + 1)
-    return sections.get("inputs", []), sections.get("outputs", [])
+    return {kind: sections.get(kind, []) for kind in SECTIONS}
 
 
 def _find_closing(spec: str, open_at: int) -> int:
@@ -165,14 +194,22 @@ def _find_closing(spec: str, open_at: int) -> int:
     raise _error(spec, open_at, "unbalanced '[': the section is never closed with ']'")
 
 
-def format_io_spec(inputs: Iterable[str] = (), outputs: Iterable[str] = ()) -> str:
-    """Write names back as a spec string (the inverse of :func:`parse_io_spec`).
+def format_io_spec(
+    inputs: Iterable[str] = (),
+    outputs: Iterable[str] = (),
+    grad_inputs: Iterable[str] = (),
+    grad_outputs: Iterable[str] = (),
+) -> str:
+    """Write names back as a spec string (the inverse of :func:`parse_sections`).
 
     Examples:
         >>> format_io_spec(["a"], ["b", "c"])
         'inputs[a]|outputs[b|c]'
+        >>> format_io_spec(outputs=["a"], grad_outputs=["a"])
+        'outputs[a]|grad_outputs[a]'
     """
-    sections = zip(SECTIONS, (list(inputs), list(outputs)), strict=True)
+    lists = (list(inputs), list(outputs), list(grad_inputs), list(grad_outputs))
+    sections = zip(SECTIONS, lists, strict=True)
     return "|".join(f"{kind}[{'|'.join(names)}]" for kind, names in sections if names)
 
 

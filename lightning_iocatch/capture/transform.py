@@ -43,13 +43,14 @@ import torch
 
 __all__ = ["CaptureTransform", "Kind", "Site"]
 
-Kind = Literal["inputs", "outputs"]
+Kind = Literal["inputs", "outputs", "grad_inputs", "grad_outputs"]
 
 
 @dataclass(frozen=True)
 class Site:
     """Where a value is captured: a module's name (as the session resolved it), whether it
-    is the module's inputs or outputs, and which call of the module in the forward."""
+    is the module's inputs or outputs (or their gradients: ``grad_inputs``,
+    ``grad_outputs``), and which call of the module in the forward."""
 
     module: str
     kind: Kind

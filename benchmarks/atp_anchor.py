@@ -43,19 +43,19 @@ so that the bound means something.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 
 import torch
-from lightning_iocatch.capture.attribution import attribution_patching, exact_patching
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformer_lens.tools.analysis.attribution_patching import (
     attribution_patch,
     cache_activation_and_gradient,
 )
 
-from lightning_iocatch.capture import ModelIOCatcher
+from lightning_iocatch.capture.attribution import attribution_patching, exact_patching
 
 N_LAYERS, D_MODEL, N_HEADS, D_VOCAB, N_CTX = 3, 64, 4, 50, 16
 BATCH, SEQ, CHANGED = 6, 12, (2, 7)  # positions where a corrupted prompt differs
@@ -137,15 +137,17 @@ def runner(model: HookedTransformer, metric: Metric) -> Callable[[torch.Tensor],
 
 
 def ours(
-    model: HookedTransformer, pairs: tuple, spec: str = SPEC, convention: str = "denoising"
-) -> dict[str, torch.Tensor]:
-    """Our scores, ``{hook name: [batch, pos(, head)]}``."""
+    model: HookedTransformer, pairs: tuple, spec: str = SPEC
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Our scores in both conventions from one call, ``{convention: {hook: [batch, pos(,
+    head)]}}``."""
     clean, corrupted, answer, wrong = pairs
     run = runner(model, logit_difference(answer, wrong))
-    found = attribution_patching(
-        ModelIOCatcher(model, None), spec, run, clean, corrupted, convention=convention
-    )
-    return {key.removesuffix("/outputs"): value for key, value in found.items()}
+    found = attribution_patching(model, spec, run, clean, corrupted, ("denoising", "noising"))
+    return {
+        convention: {key.removesuffix("/outputs"): value for key, value in scores.items()}
+        for convention, scores in found.scores.items()
+    }
 
 
 def transformer_lens(
@@ -201,19 +203,11 @@ def anchor_rows(dtype: torch.dtype) -> list[Row]:
     """Checks 1 and 2: both conventions against TransformerLens' ``attribution_patch``."""
     model, pairs = hooked_transformer(dtype), prompt_pairs()
     clean, corrupted, answer, wrong = pairs
-    rows = compare(
-        "denoising vs TL",
-        dtype,
-        ours(model, pairs),
-        transformer_lens(model, clean, corrupted, answer, wrong),
-    )
-    rows += compare(
-        "noising vs TL swapped",
-        dtype,
-        ours(model, pairs, convention="noising"),
-        transformer_lens(model, corrupted, clean, answer, wrong),
-    )
-    return rows
+    found = ours(model, pairs)
+    denoising = transformer_lens(model, clean, corrupted, answer, wrong)
+    swapped = transformer_lens(model, corrupted, clean, answer, wrong)
+    rows = compare("denoising vs TL", dtype, found["denoising"], denoising)
+    return rows + compare("noising vs TL swapped", dtype, found["noising"], swapped)
 
 
 def position_mask(seed: int = 2) -> torch.Tensor:
@@ -237,13 +231,14 @@ def linear_rows(dtype: torch.dtype) -> list[Row]:
     ]
     rows = []
     for model, name in cases:
-        catcher, run = ModelIOCatcher(model, None), runner(model, logit_difference(answer, wrong))
+        run = runner(model, logit_difference(answer, wrong))
+        found = ours(model, pairs, f"outputs[{name}]")
         for convention in ("denoising", "noising"):
-            atp = ours(model, pairs, f"outputs[{name}]", convention)[name].double()
+            atp = found[convention][name].double()
             atp = atp.flatten(2).sum(-1) if atp.dim() > 2 else atp  # heads summed
             for mask in (None, position_mask()):
                 exact = exact_patching(
-                    catcher, f"{name}/outputs", run, clean, corrupted, convention, positions=mask
+                    model, f"{name}/outputs", run, clean, corrupted, convention, positions=mask
                 ).double()
                 estimate = atp.sum(1) if mask is None else (atp * mask).sum(1)
                 where = "whole" if mask is None else "masked"
@@ -269,7 +264,7 @@ def exact_rows(dtype: torch.dtype) -> list[Row]:
     model, pairs = hooked_transformer(dtype), prompt_pairs()
     clean, corrupted, answer, wrong = pairs
     metric = logit_difference(answer, wrong)
-    catcher, run = ModelIOCatcher(model, None), runner(model, metric)
+    run = runner(model, metric)
     rows, gaps, largest = [], [], 0.0
     with torch.no_grad():
         for name in ("blocks.1.attn.hook_z", "blocks.0.hook_mlp_out", "blocks.1.hook_resid_pre"):
@@ -278,11 +273,11 @@ def exact_rows(dtype: torch.dtype) -> list[Row]:
                 ("noising", corrupted, clean),
             ):
                 truth = transformer_lens_patch(model, name, source, target, metric).double()
+                exact = exact_patching(
+                    model, f"{name}/outputs", run, clean, corrupted, convention
+                ).double()
                 with torch.enable_grad():
-                    exact = exact_patching(
-                        catcher, f"{name}/outputs", run, clean, corrupted, convention
-                    ).double()
-                    atp = ours(model, pairs, f"outputs[{name}]", convention)[name]
+                    atp = ours(model, pairs, f"outputs[{name}]")[convention][name]
                 difference = (exact - truth).abs().max().item()
                 largest = max(largest, truth.abs().max().item())
                 check = f"exact vs TL patch: {name} {convention}"
@@ -302,6 +297,7 @@ def all_rows() -> list[Row]:
 
 
 def main() -> int:
+    warnings.filterwarnings("ignore", "HookedTransformer is deprecated", DeprecationWarning)
     rows = all_rows()
     print(f"transformer-lens {version('transformer-lens')}, torch {torch.__version__}; "
           f"{N_LAYERS} layers, d_model {D_MODEL}, {N_HEADS} heads, vocabulary {D_VOCAB}; "

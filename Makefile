@@ -83,9 +83,10 @@ bench-effects: venv
 	$(BIN)/python benchmarks/effects.py
 
 # Attribution patching against TransformerLens' own: transformer-lens in an environment of its
-# own (never in the test extra), inside .venv-bench/ like the units one. Torch is installed
-# first at the pin so that transformer-lens does not pull another build; torchvision and
-# torchaudio, if anything brings them, are removed (built for another torch, nothing uses them).
+# own (never in the test extra), inside .venv-bench/ like the units one. 3.9.0 is the last
+# with HookedTransformer (4.0 removed it) and has attribution_patch, whose node-level code
+# 4.3.0 keeps. Torch is installed first at the pin so that transformer-lens does not pull
+# another build; torchvision and torchaudio, if anything brings them, are removed.
 ATP_VENV := $(BENCH_VENV)/atp
 $(ATP_VENV)/bin/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(ATP_VENV)

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers clean
+.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers bench-atp bench-atp-cost test-peers-atp clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,33 @@ bench-units: $(UNITS_VENV)/bin/.installed
 
 bench-effects: venv
 	$(BIN)/python benchmarks/effects.py
+
+# Attribution patching against TransformerLens' own: transformer-lens in an environment of its
+# own (never in the test extra), inside .venv-bench/ like the units one. 3.9.0 is the last
+# with HookedTransformer (4.0 removed it) and has attribution_patch, whose node-level code
+# 4.3.0 keeps. Torch is installed first at the pin so that transformer-lens does not pull
+# another build; torchvision and torchaudio, if anything brings them, are removed.
+ATP_VENV := $(BENCH_VENV)/atp
+$(ATP_VENV)/bin/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(ATP_VENV)
+	$(ATP_VENV)/bin/pip install --quiet --upgrade pip
+	$(ATP_VENV)/bin/pip install --quiet "$(TORCH_PIN)"
+	$(ATP_VENV)/bin/pip install --quiet -e . "transformer-lens==3.9.0" pytest "$(TORCH_PIN)"
+	$(ATP_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+# Our denoising and noising AtP against TransformerLens' on one HookedTransformer, float32 and
+# float64, and both against exact patching where the metric is linear in the activation.
+bench-atp: $(ATP_VENV)/bin/.installed
+	$(ATP_VENV)/bin/python benchmarks/atp_anchor.py
+
+test-peers-atp: $(ATP_VENV)/bin/.installed
+	$(ATP_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/peers/test_atp_transformer_lens.py
+
+# One AtP pass on the 12-block model of `make bench`, against a clean forward and a
+# hand-written hook pass in the same run.
+bench-atp-cost: venv
+	$(BIN)/python benchmarks/attribution.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .ruff_cache site .site-check

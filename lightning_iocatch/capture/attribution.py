@@ -105,10 +105,11 @@ class Component:
             )
         return found
 
-    def product(self, delta: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """``delta . grad`` over the last dimension (of each head), in float32 at least."""
-        wide = torch.promote_types(delta.dtype, torch.float32)
-        delta, grad = delta.to(wide), grad.to(wide)
+    def product(self, source: torch.Tensor, base: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``(source - base) . grad`` over the last dimension (of each head), computed in
+        float32 at least (the difference too: two bf16 values' is not a bf16 value)."""
+        wide = torch.promote_types(base.dtype, torch.float32)
+        delta, grad = source.to(wide) - base.to(wide), grad.to(wide)
         if self.heads is not None:
             if delta.shape[-1] % self.heads:
                 raise ValueError(
@@ -204,8 +205,9 @@ def attribution_patching(
         scores[convention] = {}
         for component in found:
             key = component.key
-            delta = values[source][key] - values[base][key]
-            scores[convention][key] = component.product(delta, grads[base][key])
+            scores[convention][key] = component.product(
+                values[source][key], values[base][key], grads[base][key]
+            )
     return Attribution(scores, metric, values)
 
 
@@ -255,33 +257,36 @@ def _pass(
     for component in found:
         ask[component.kind].append(component.module)
     grad_ask = {f"grad_{kind}": names for kind, names in ask.items()} if grad else {}
-    session = catcher(**ask, **grad_ask)  # type: ignore[arg-type]
+    parts = {(c.module, c.kind): c.value for c in found}  # only what an edit would patch
+    session = catcher(**ask, **grad_ask, parts=parts)  # type: ignore[arg-type]
     with session, recording_gradients():
         try:
             metric = run(batch)
             if grad:
                 _check_metric(metric)
-                torch.autograd.grad(metric.sum(), session.gradient_tensors(), allow_unused=True)
+                torch.autograd.grad(metric.sum(), session.gradient_edges(), allow_unused=True)
         except BaseException:
             session.discard_gradients()  # the failure is said: not also its gradients
             raise
         captured = session.take()
-    values = {c.key: c.value(_one_call(captured, c, c.kind)) for c in found}
+    values = {c.key: _one_call(captured, c, c.kind) for c in found}
     grads = {}
     if grad:
         for c in found:
-            grads[c.key] = c.value(_one_call(captured, c, f"grad_{c.kind}"))
+            grads[c.key] = _one_call(captured, c, f"grad_{c.kind}")
     return values, grads, metric.detach()
 
 
-def _one_call(captured: Any, component: Component, kind: str) -> Any:
+def _one_call(captured: Any, component: Component, kind: str) -> torch.Tensor:
     calls = captured[component.module][kind]
-    if len(calls) != 1:
-        raise ValueError(
-            f"{component.module!r} ran {len(calls)} times in the forward: a component is one "
-            "call of a module; name a module that runs once (e.g. each layer, not a shared one)"
-        )
-    return calls[0]
+    if len(calls) == 1:
+        return calls[0]
+    if not calls and kind.startswith("grad_"):
+        raise ValueError(f"no gradient reached {component.key}: the metric does not depend on it")
+    raise ValueError(
+        f"{component.module!r} ran {len(calls)} times in the forward: a component is one "
+        "call of a module; name a module that runs once (e.g. each layer, not a shared one)"
+    )
 
 
 def _check_metric(metric: Any) -> None:

@@ -14,7 +14,7 @@ may stop early.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.coordinator import COORDINATOR, ForwardCoordinator
 from lightning_iocatch.capture.edits import Edit
+from lightning_iocatch.capture.gradients import Part
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.spec import (
@@ -31,7 +32,7 @@ from lightning_iocatch.capture.spec import (
     canonical_name,
     resolve_names,
 )
-from lightning_iocatch.capture.transform import CaptureTransform
+from lightning_iocatch.capture.transform import CaptureTransform, Kind
 from lightning_iocatch.checks import check_bool, check_int, parse_device, parse_dtype
 from lightning_iocatch.errors import CaptureError
 
@@ -176,11 +177,16 @@ class ModelIOCatcher:
         edits: Iterable[Edit] = (),
         grad_inputs: Iterable[str] = (),
         grad_outputs: Iterable[str] = (),
+        parts: Mapping[tuple[str, Kind], Part] | None = None,
     ) -> CaptureSession:
         """Request a session capturing ``inputs`` and ``outputs`` (names or globs), the
         gradients of ``grad_inputs`` and ``grad_outputs`` (see
         :mod:`~lightning_iocatch.capture.gradients`), and applying ``edits`` (see
-        :mod:`~lightning_iocatch.capture.edits`) while it is open.
+        :mod:`~lightning_iocatch.capture.edits`) while it is open. ``parts`` maps a
+        resolved ``(name, "inputs" | "outputs")`` to a function that picks the one tensor of
+        the value (inputs: ``{"args", "kwargs"}``) to capture, and of which to take the
+        gradient, instead of the whole value (attribution patching takes only what an edit
+        would patch).
 
         Use as ``with catcher(inputs=[...], outputs=[...]) as buf:``. Unknown names raise
         ``KeyError`` (``UnknownModuleError``) with close matches; a request that selects
@@ -240,6 +246,7 @@ class ModelIOCatcher:
             edits,
             grad_inputs=resolved_grad_in,
             grad_outputs=resolved_grad_out,
+            parts=parts,
         )
         return self._requested
 

@@ -1,15 +1,18 @@
 """Gradients as a capture kind: ``grad_outputs[m]`` and ``grad_inputs[m]`` of a spec.
 
 A session that asks for the gradient of ``m``'s outputs (or inputs) hooks ``m`` as it asks
-for its outputs (or inputs); in the forward the hook attaches each floating tensor of the
-value to the autograd graph and registers a tensor hook on it. A tensor not in the graph
-yet (at the first site of a forward that began without gradients) is set to require
-gradients, so that every later use of it, the caller's too, is recorded, and set back
-once its gradient is captured; no parameter needs ``requires_grad``. (A parameter, or a
-tensor made under inference mode, is replaced by a copy instead: then only the uses of
-the copy, downstream of the module, count.) A backward that reaches the tensor
-(``loss.backward()``, or ``torch.autograd.grad(loss, session.gradient_tensors())``, which
-touches no parameter's ``.grad``) hands the hook its gradient. When the batch's captures
+for its outputs (or inputs); in the forward the hook hands the module (inputs) or its
+caller (outputs) a copy of each floating tensor of the value, in the autograd graph
+(from a leaf of its own where the tensor is not in the graph yet: at the first site of a
+forward that began without gradients, so no parameter needs ``requires_grad``), and hooks
+it. The gradient is so that of the value the module receives or hands on, through the
+module or downstream of it only, as PyTorch's ``register_full_backward_hook`` gives it
+and as an :class:`~lightning_iocatch.capture.edits.Edit` of the value would change it
+(another use of the same tensor elsewhere, such as a residual connection outside the
+module, is not counted). A backward that reaches the copies (``loss.backward()``, or
+``torch.autograd.grad(loss, session.gradient_edges())``, which touches no parameter's
+``.grad`` and gives each copy's gradient even where an in-place operation changed it
+after) hands the hooks their gradients. When the batch's captures
 are taken (:meth:`~lightning_iocatch.capture.session.CaptureSession.take`, or the session
 closes), each call's gradient is captured like a value: the structure of the value
 (tuple, mapping, ``{"args", "kwargs"}``) with each floating tensor replaced by its
@@ -33,7 +36,7 @@ Examples:
     >>> with catcher.from_spec("grad_outputs[0]") as buf:
     ...     with recording_gradients():
     ...         loss = net(x).sum()
-    ...         _ = torch.autograd.grad(loss, catcher.session.gradient_tensors())
+    ...         _ = torch.autograd.grad(loss, catcher.session.gradient_edges())
     >>> hidden = net[0](x).detach().requires_grad_()
     >>> expected, = torch.autograd.grad(net[2](net[1](hidden)).sum(), hidden)
     >>> torch.allclose(buf["0"]["grad_outputs"][0], expected)
@@ -51,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from lightning_iocatch.capture.snapshots import map_tensors
 from lightning_iocatch.capture.transform import Kind
@@ -60,6 +64,9 @@ __all__ = ["GRADIENT_KINDS", "GradientSites", "recording_gradients"]
 
 GRADIENT_KINDS: tuple[Kind, Kind] = ("grad_inputs", "grad_outputs")
 """The kinds of a spec that capture gradients; ``grad_X`` is the gradient of kind ``X``."""
+
+Part = Callable[[Any], torch.Tensor]
+"""Picks one tensor of a value as captures hold it (inputs: ``{"args", "kwargs"}``)."""
 
 _state = threading.local()  # .recording: inside `recording_gradients` in this thread
 
@@ -96,28 +103,28 @@ class _Site:
     name: str
     kind: Kind  # grad_inputs or grad_outputs
     value: Any  # the structure, with the tensors that were hooked
-    tensors: list[torch.Tensor] = field(default_factory=list)
+    single: bool = False  # one tensor picked of the value (a part): its gradient alone
+    tensors: list[torch.Tensor] = field(default_factory=list)  # the copies handed on
+    edges: list[GradientEdge] = field(default_factory=list)  # their places in the graph
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by place in `tensors`
     handles: list[Any] = field(default_factory=list)  # the tensor hooks, removed at the end
-    flipped: list[torch.Tensor] = field(default_factory=list)  # requires_grad set here
 
     def release(self) -> None:
-        """Remove the tensor hooks (one on a tensor that outlives the forward, such as a
-        parameter passed as an input, would stay on it for good) and give back the
-        ``requires_grad`` of the tensors that were set to require gradients here."""
+        """Remove the tensor hooks."""
         handles, self.handles = self.handles, []
         for handle in handles:
             handle.remove()
-        flipped, self.flipped = self.flipped, []
-        for tensor in flipped:
-            tensor.requires_grad_(False)
 
     def receive(self, place: int, grad: torch.Tensor) -> None:
         held = self.grads.get(place)
         self.grads[place] = grad.detach() if held is None else held + grad.detach()
 
     def gradient(self) -> Any:
-        """The value's structure with each hooked tensor's gradient (zeros if none came)."""
+        """The value's structure with each hooked tensor's gradient (zeros if none came);
+        a part's gradient is one tensor."""
+        if self.single:
+            grad = self.grads.get(0)
+            return torch.zeros_like(self.tensors[0]).detach() if grad is None else grad
         places = {id(tensor): place for place, tensor in enumerate(self.tensors)}
 
         def swap(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -136,37 +143,38 @@ class GradientSites:
     def __init__(self) -> None:
         self.sites: list[_Site] = []
 
-    def attach(self, name: str, kind: Kind, value: Any) -> Any:
-        """``value`` with every floating tensor in the graph and hooked; ``None`` when the
-        forward may go on with ``value`` itself (every such tensor was in the graph)."""
+    def attach(self, name: str, kind: Kind, value: Any, part: Part | None = None) -> Any:
+        """``value`` with each of its floating tensors (only the one ``part`` picks of
+        ``{"args", "kwargs"}`` or the output, if given) replaced by a copy in the graph,
+        hooked, for the forward to go on with."""
         _check_recording(name, kind)
-        site = _Site(name, kind, value)
-        changed = False
-        seen: dict[int, torch.Tensor] = {}  # a tensor given twice is one value, one leaf
+        target = None if part is None else part(_structured(kind, value))
+        site = _Site(name, kind, value, single=part is not None)
+        seen: dict[int, torch.Tensor] = {}  # a tensor given twice is one value, one copy
 
         def hooked(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal changed
+            if target is not None and tensor is not target:
+                return tensor
             if not tensor.is_floating_point() and not tensor.is_complex():
                 return tensor
             if id(tensor) in seen:
                 return seen[id(tensor)]
-            given = tensor
-            if not tensor.requires_grad:  # outside the graph: it becomes a leaf of it
-                if isinstance(tensor, torch.nn.Parameter) or tensor.is_inference():
-                    copy = tensor.clone() if tensor.is_inference() else tensor.detach()
-                    tensor, changed = copy.requires_grad_(True), True  # a leaf of its own
-                else:  # every later use of the tensor is in the graph, also the caller's
-                    site.flipped.append(tensor.requires_grad_(True))
-            seen[id(given)] = tensor
+            if tensor.requires_grad:
+                handed = tensor.clone()
+            else:  # outside the graph: from a leaf of its own (a copy: no inference tensor)
+                leaf = tensor.clone() if tensor.is_inference() else tensor.detach()
+                handed = leaf.requires_grad_(True).clone()  # not a leaf: in-place ops work
+            seen[id(tensor)] = handed
             place = len(site.tensors)
-            site.tensors.append(tensor)
-            site.handles.append(tensor.register_hook(_receiver(weakref.ref(site), place)))
-            return tensor
+            site.tensors.append(handed)
+            site.edges.append(get_gradient_edge(handed))
+            site.handles.append(handed.register_hook(_receiver(weakref.ref(site), place)))
+            return handed
 
         attached = map_tensors(value, hooked)
         site.value = attached
         self.sites.append(site)
-        return attached if changed else None
+        return attached
 
     def clear(self) -> None:
         """Forget the batch's sites without capturing them (its backward failed)."""
@@ -174,9 +182,11 @@ class GradientSites:
         for site in sites:
             site.release()
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Every hooked tensor of the batch so far, for ``torch.autograd.grad``."""
-        return [tensor for site in self.sites for tensor in site.tensors]
+    def edges(self) -> list[GradientEdge]:
+        """Where every hooked copy of the batch so far is in the graph, for
+        ``torch.autograd.grad(loss, edges)``: the gradient of each as it was handed on,
+        whatever in-place operation changed it after."""
+        return [edge for site in self.sites for edge in site.edges]
 
     def collect(self) -> list[tuple[str, Kind, Any]]:
         """Each call's ``(name, kind, gradient)``, in call order, and forget the sites.
@@ -194,14 +204,14 @@ class GradientSites:
             warnings.warn(
                 f"no backward reached the gradients asked for ({', '.join(names)}): nothing "
                 "is captured for them; call `loss.backward()` or `torch.autograd.grad(loss, "
-                "session.gradient_tensors())` before the batch's captures are taken",
+                "session.gradient_edges())` before the batch's captures are taken",
                 stacklevel=3,
             )
             return []
         found = []
         for site in sites:
             gradient = site.gradient()
-            if site.kind == "grad_inputs":  # as inputs are captured: {"args", "kwargs"}
+            if site.kind == "grad_inputs" and not site.single:  # as inputs: {"args", "kwargs"}
                 gradient = {"args": gradient[0], "kwargs": gradient[1]}
             found.append((site.name, site.kind, gradient))
         return found
@@ -218,6 +228,13 @@ def _receiver(site: weakref.ref[_Site], place: int) -> Callable[[torch.Tensor], 
             found.receive(place, grad)
 
     return receive
+
+
+def _structured(kind: Kind, value: Any) -> Any:
+    """A hook's value as captures hold it: inputs as ``{"args", "kwargs"}``."""
+    if kind == "grad_inputs":
+        return {"args": value[0], "kwargs": value[1]}
+    return value
 
 
 def _nothing(obj: Any) -> None:
@@ -239,8 +256,9 @@ def _check_recording(name: str, kind: Kind) -> None:
         if not getattr(_state, "recording", False):
             raise CaptureError(
                 f"the {kind} of {name!r} are asked for in a forward run without gradients "
-                "(torch.no_grad): run it under torch.enable_grad(), or inside "
-                "`with recording_gradients():`, which turns them on from the first "
-                "gradient site"
+                "(torch.no_grad, or inside reentrant activation checkpointing, which runs "
+                "its forward without them: checkpoint with use_reentrant=False): run it "
+                "under torch.enable_grad(), or inside `with recording_gradients():`, which "
+                "turns them on from the first gradient site"
             )
         torch.set_grad_enabled(True)  # restored as `recording_gradients` ends

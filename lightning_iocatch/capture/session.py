@@ -12,18 +12,19 @@ it asked for (early exit).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 from torch.utils.hooks import RemovableHandle
 
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.compiled import prepare_for_hooks
 from lightning_iocatch.capture.coordinator import ForwardCoordinator
 from lightning_iocatch.capture.edits import Edit, RunningMean, apply_edits
-from lightning_iocatch.capture.gradients import GradientSites
+from lightning_iocatch.capture.gradients import GradientSites, Part
 from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
 from lightning_iocatch.errors import CaptureError
@@ -65,26 +66,23 @@ class CaptureSession:
         edits: Sequence[Edit] = (),
         grad_inputs: Sequence[str] = (),
         grad_outputs: Sequence[str] = (),
+        parts: Mapping[tuple[str, Kind], Part] | None = None,
     ) -> None:
         self.catcher = catcher
         self.modules = modules
         self.inputs = inputs
         self.outputs = outputs
         self.grad_inputs, self.grad_outputs = list(grad_inputs), list(grad_outputs)
+        self.parts = dict(parts or {})  # (name, "inputs"|"outputs") -> the one tensor kept
         self.early_exit = early_exit
         self.edits = list(edits)
         self._batch_edits = self.edits  # the edits of the current batch (set_batch_indices)
         self._calls: dict[tuple[str, Kind], int] = {}  # calls in this forward, for edits
         self._applied = self._forwards = 0  # calls an edit changed; forwards of the model
-        kinds: dict[str, list[Kind]] = {}
-        for kind, names in (
-            ("inputs", inputs),
-            ("outputs", outputs),
-            ("grad_inputs", self.grad_inputs),
-            ("grad_outputs", self.grad_outputs),
-        ):
-            for name in names:
-                kinds.setdefault(name, []).append(kind)  # type: ignore[arg-type]
+        kinds: dict[str, list[Kind]] = {n: ["inputs", "outputs"] for n in [*inputs, *outputs]}
+        for kind, names in (("grad_inputs", grad_inputs), ("grad_outputs", grad_outputs)):
+            for name in names:  # every name has inputs and outputs, and the gradients asked
+                kinds.setdefault(name, ["inputs", "outputs"]).append(kind)  # type: ignore[arg-type]
         self.buffer = CaptureBuffer.empty(kinds, transform)
         self._gradients = GradientSites()
         targets: list[tuple[str, Kind]] = [(n, "inputs") for n in inputs]
@@ -191,12 +189,12 @@ class CaptureSession:
         taken.settle()
         return taken
 
-    def gradient_tensors(self) -> list[torch.Tensor]:
-        """The tensors of the current batch's gradient sites, in the graph: a backward that
-        reaches them gives the gradients asked for, e.g. ``torch.autograd.grad(loss,
-        session.gradient_tensors())``, which changes no parameter's ``.grad`` (see
+    def gradient_edges(self) -> list[GradientEdge]:
+        """Where the current batch's gradient sites are in the autograd graph: a backward
+        that reaches them gives the gradients asked for, e.g. ``torch.autograd.grad(loss,
+        session.gradient_edges())``, which changes no parameter's ``.grad`` (see
         :mod:`~lightning_iocatch.capture.gradients`)."""
-        return self._gradients.tensors()
+        return self._gradients.edges()
 
     def discard_gradients(self) -> None:
         """Forget the current batch's gradient sites without capturing them: the forward
@@ -205,7 +203,7 @@ class CaptureSession:
 
     def _capture_gradients(self) -> None:
         for name, kind, gradient in self._gradients.collect():
-            self._capture(name, kind, gradient)
+            self._capture(name, kind, gradient)  # a part's gradient is its one tensor
 
     def set_batch_indices(self, indices: Sequence[int] | None) -> None:
         """The next forwards are of a batch whose samples have the dataset ``indices`` (in
@@ -288,7 +286,11 @@ class CaptureSession:
         return not self.done
 
     def _capture(self, name: str, kind: Kind, value: Any) -> None:
-        """Copy ``value`` through the batch's transform into the buffer; stop if done."""
+        """Copy ``value`` (its part, if one is asked for) through the batch's transform into
+        the buffer; stop if done."""
+        part = self.parts.get((name, kind))
+        if part is not None:
+            value = part(value)
         buffer, transform = self.buffer, self.buffer.transform
         site = None if transform is None else Site(name, kind, buffer.calls(name, kind))
         copied, events, changed = self.catcher.transfer(value, transform, site)
@@ -310,7 +312,8 @@ def _grad_input_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _in_backward() or not session._acts():
             return None  # a recomputation (activation checkpointing) is not a new call
-        return session._gradients.attach(name, "grad_inputs", (args, kwargs))
+        part = session.parts.get((name, "inputs"))
+        return session._gradients.attach(name, "grad_inputs", (args, kwargs), part)
 
     return hook
 
@@ -320,7 +323,8 @@ def _grad_output_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if _in_backward() or not session._acts():
             return None
-        return session._gradients.attach(name, "grad_outputs", output)
+        part = session.parts.get((name, "outputs"))
+        return session._gradients.attach(name, "grad_outputs", output, part)
 
     return hook
 

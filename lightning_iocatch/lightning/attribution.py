@@ -18,8 +18,8 @@ terms of the run that is patched. At the end of the epoch it logs, for each conv
 - ``{prefix}/clean/loss`` and ``{prefix}/corrupted/loss``.
 
 :attr:`AttributionPatching.scores` ``[c][k]`` holds the estimate per position (and head),
-float64 ``[positions, ...]``, position ``t`` being the sequence's ``t``-th place (right
-padding keeps it the ``t``-th token). Only the gradients of the batch in flight are held;
+float64 ``[positions, ...]``, of the first dataloader, position ``t`` being the sequence's
+``t``-th place (right padding keeps it the ``t``-th token; left padding is said once). Only the gradients of the batch in flight are held;
 the state is ``components x positions x heads`` floats. Samples that Lightning's
 ``DistributedSampler`` repeats to even out the processes are left out, and the sums of
 all processes are added at the end of the epoch, so a run on several processes gives the
@@ -39,6 +39,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_iocatch.capture.attribution import (
     CONVENTIONS,
@@ -140,6 +141,7 @@ class AttributionPatching(pl.Callback):
         self._stage = "validate"
         self._given: Any = None
         self._sums: dict[int, dict[str, torch.Tensor]] = {}  # dataloader -> name -> sums
+        self._left_said = False
 
     def names(self) -> list[str]:
         """The scalar names logged each epoch (once the components are resolved)."""
@@ -227,7 +229,17 @@ class AttributionPatching(pl.Callback):
             pl_module, self._components, run, clean, corrupted, self.conventions
         )
         exact = self._exact(pl_module, run, clean, corrupted, found.values, found.metric)
-        keep = _kept(repeated, len(found.metric["clean"]))
+        size = len(found.metric["clean"])
+        for scores in found.scores.values():
+            for key, score in scores.items():
+                if score.dim() == 0 or score.shape[0] != size:
+                    raise ValueError(
+                        f"{key} has a value of shape {tuple(found.values['clean'][key].shape)} "
+                        f"for a batch of {size} samples: AtP scores a value whose first "
+                        "dimension is the batch's ([batch, seq, d]); name another component"
+                    )
+        self._say_left_padding(clean)
+        keep = _kept(repeated, size)
         sums = self._sums.setdefault(dataloader_idx, {})
         runs = {"clean": clean, "corrupted": corrupted}
         for which in runs:
@@ -238,6 +250,20 @@ class AttributionPatching(pl.Callback):
                 _add(sums, f"{convention}/{key}", score.double()[keep].sum(0))
         for name, change in exact.items():
             _add(sums, name, change.double()[keep].sum())
+
+    def _say_left_padding(self, batch: Any) -> None:
+        """Once: with left padding, position ``t`` of the maps is not the ``t``-th token."""
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if self._left_said or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            return
+        if bool(((mask[:, 0] == 0) & mask.bool().any(1)).any()):
+            self._left_said = True
+            rank_zero_warn(
+                "AttributionPatching: this batch is padded on the left, so position t of "
+                "`scores` is the sequence's t-th place, not its t-th token (the totals are "
+                "unchanged); pad on the right (tokenizer.padding_side = 'right') for maps "
+                "by token"
+            )
 
     def _exact(
         self,

@@ -103,6 +103,18 @@ class _Padding:
         )
 
 
+def _padding_by_place(batch_sampler: Any, batch_idx: int) -> tuple[bool, ...] | None:
+    """Which samples of batch ``batch_idx`` are padding, from their places alone, where the
+    indices cannot be known (a shuffling ``DistributedSampler`` pads by place, whatever the
+    order): every batch of a ``BatchSampler`` but the last is full."""
+    if not isinstance(batch_sampler, BatchSampler) or not isinstance(batch_sampler.sampler, Sized):
+        return None
+    padding = _Padding(batch_sampler.sampler)
+    start = batch_idx * batch_sampler.batch_size
+    size = min(batch_sampler.batch_size, len(batch_sampler.sampler) - start)
+    return padding.of(start, size) if size > 0 else None
+
+
 class BatchIndexer:
     """Answers "which dataset indices are in batch ``batch_idx``?" during one loop.
 
@@ -128,6 +140,10 @@ class BatchIndexer:
             self._walkers[dataloader_idx] = walker
         walker = self._walkers[dataloader_idx]
         if walker is None:
+            self._repeated[dataloader_idx] = (
+                batch_idx,
+                _padding_by_place(batch_sampler, batch_idx),
+            )
             return None
         found = walker.batch(batch_idx)
         if found is not None:

@@ -62,7 +62,7 @@ class IOCaptureCallback(Callback):
 
     Args:
         spec: what to capture, e.g. ``"outputs[model.layers.5]"`` (see
-            :func:`~lightning_iocatch.parse_io_spec`). Names are those of
+            :class:`~lightning_iocatch.CaptureSpec`). Names are those of
             ``pl_module.named_modules()``: ``model.layers.0`` for ``self.model.layers[0]``.
             ``grad_outputs[...]`` and ``grad_inputs[...]`` capture the gradient of the loss
             with respect to a module's outputs or inputs: the callback then runs a forward

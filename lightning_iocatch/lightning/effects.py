@@ -19,7 +19,8 @@ repeated to even out the ranks dropped, and summed in dataset-index order: a run
 number of processes logs the values of a 1-process run (also when the data does not divide
 evenly). Where a dataloader gives no dataset indices (see
 :func:`~lightning_iocatch.lightning.batch_indices.missing_indices_reason`), samples are
-summed as they come and a sampler's repeats are counted: a warning says so.
+summed as they come, the repeats of Lightning's ``DistributedSampler`` (shuffling or not)
+still dropped by their places; another sampler's repeats are counted: a warning says so.
 
 The clean forward is the validation step's own where the step calls the model as
 ``forward`` does (an argument without value equality: the very object), in the context
@@ -192,8 +193,9 @@ class InterventionEffects(pl.Callback):
         reason = missing_indices_reason(trainer, stage)
         if reason is not None and trainer.world_size > 1:
             rank_zero_warn(
-                f"InterventionEffects: {reason}; its samples are summed as they come, and any "
-                "sample the sampler repeats across processes is counted again"
+                f"InterventionEffects: {reason}; its samples are summed as they come, and a "
+                "sample the sampler repeats across processes is counted again unless it is "
+                "Lightning's DistributedSampler (whose repeats are told by their places)"
             )
 
     def _batch_start(self, trainer: pl.Trainer, batch: Any) -> None:

@@ -16,7 +16,7 @@ not open then) and runs one pass of its own at the batch's end:
    returns per-sample losses, or per-sample ``(sums, counts)`` as
    :func:`~lightning_iocatch.lightning.effect_terms.next_token_loss` does), so each
    sample's gradient is its own whatever the batch size or the number of processes;
-4. ``torch.autograd.grad(total, session.gradient_tensors())``: no parameter's ``.grad``
+4. ``torch.autograd.grad(total, session.gradient_edges())``: no parameter's ``.grad``
    or ``requires_grad`` changes; then ``session.take()``, the batch's captures (the spec's
    activations and gradients of this one forward), handed to the sinks as ever.
 
@@ -107,9 +107,15 @@ class GradientPass:
                     with context():
                         out = self._forward(pl_module, batch)
                     total = self._total(self.output(out), batch)
-                    tensors = session.gradient_tensors()
-                    if tensors and total.requires_grad:  # the sites' hooks get the gradients
-                        torch.autograd.grad(total, tensors, allow_unused=True)
+                    edges = session.gradient_edges()
+                    if edges and not total.requires_grad:
+                        raise ValueError(
+                            "the loss does not depend on the values whose gradients "
+                            f"{session.grad_outputs + session.grad_inputs} are asked for: "
+                            "give a `loss=` computed from the forward's output"
+                        )
+                    if edges:  # the sites' hooks get the gradients
+                        torch.autograd.grad(total, edges, allow_unused=True)
                     del out  # the logits go before the captures are copied
                 return session.take()
             except BaseException:

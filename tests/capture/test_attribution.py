@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_iocatch.capture import ModelIOCatcher, recording_gradients
 from lightning_iocatch.capture.attribution import (
     attribution_patching,
     components,
@@ -147,3 +148,107 @@ def test_refusals_name_the_fix() -> None:
         attribution_patching(net, "outputs[0]", lambda b: net(b)[:, 0], x, x, "denoise")
     with pytest.raises(ValueError, match="runs once"):
         attribution_patching(net, "outputs[0]", lambda b: net(b)[:, 0] + net(b)[:, 0], x, x)
+
+
+def test_an_input_also_used_outside_its_module_counts_only_the_module() -> None:
+    """``h + blk(h)`` with the residual add outside ``blk``: patching ``blk``'s input
+    changes only ``blk``'s use of it; on a linear model AtP is exactly that."""
+    torch.manual_seed(4)
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.blk, self.head = nn.Linear(3, 6), nn.Linear(6, 6), nn.Linear(6, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            return self.head(h + self.blk(h))
+
+    net = Residual()
+    clean, corrupted = torch.randn(2, 5, 3), torch.randn(2, 5, 3)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return net(x).sum(dim=(1, 2))
+
+    found = attribution_patching(
+        net, "inputs[blk]", run, clean, corrupted, ["denoising", "noising"]
+    )
+    for convention in ("denoising", "noising"):
+        exact = exact_patching(net, "blk/inputs", run, clean, corrupted, convention)
+        estimate = found.scores[convention]["blk/inputs"].sum(-1)
+        torch.testing.assert_close(estimate, exact, rtol=0, atol=1e-5)
+
+
+def test_an_in_place_operation_after_a_component_and_a_parameter_view_as_output() -> None:
+    """``ReLU(inplace=True)`` right after a component, and a learned position table whose
+    output is a view of its parameter: the same figures as hand-written hooks."""
+    torch.manual_seed(5)
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.table[: x.shape[1]]
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos, self.up = Positions(), nn.Linear(4, 4)
+            self.act, self.down = nn.ReLU(inplace=True), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(self.act(self.up(x + self.pos(x))))
+
+    net = Net()
+    clean, corrupted = torch.randn(3, 5, 4), torch.randn(3, 5, 4)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return net(x).sum(dim=(1, 2))
+
+    found = attribution_patching(net, "outputs[up]", run, clean, corrupted)
+    with torch.no_grad():  # by hand: the metric is sum(down(relu(u))), d/du = [u > 0] w
+        held = {
+            name: net.up(x + net.pos.table[:5]) for name, x in (("clean", clean), ("c", corrupted))
+        }
+        grad = (held["c"] > 0) * net.down.weight[0]
+    expected = ((held["clean"] - held["c"]) * grad).sum(-1)
+    torch.testing.assert_close(found.scores["denoising"]["up/outputs"], expected, atol=1e-6, rtol=0)
+    assert float(expected.abs().sum()) > 0.1
+    catcher = ModelIOCatcher(net, "cpu")
+    with catcher(grad_outputs=["pos", "up"]) as buf, recording_gradients():
+        torch.autograd.grad(run(corrupted.detach()).sum(), catcher.session.gradient_edges())
+    torch.testing.assert_close(buf["up"]["grad_outputs"][0], grad, atol=1e-6, rtol=0)
+    assert float(buf["pos"]["grad_outputs"][0].abs().sum()) > 0.1  # not silent zeros
+
+
+def test_bf16_values_are_subtracted_in_float32() -> None:
+    generator = torch.Generator().manual_seed(6)
+    source, base, grad = (torch.randn(2, 3, 64, generator=generator) for _ in range(3))
+    source, base = (1000 + source).bfloat16(), (1000 + base).bfloat16()
+    got = components(nn.Sequential(nn.Linear(1, 1)), "outputs[0]")[0].product(source, base, grad)
+    truth = ((source.double() - base.double()) * grad.double()).sum(-1)
+    torch.testing.assert_close(got.double(), truth, rtol=1e-6, atol=1e-4)
+
+
+def test_only_the_patched_tensor_of_an_inputs_component_is_captured() -> None:
+    """A decoder layer's keyword inputs (masks, rotary tables) are neither copied nor
+    differentiated: a component is what an edit would patch."""
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
+        )
+    ).eval()  # fmt: skip
+    layer = components(model, "inputs[model.layers.1]")[0]
+    catcher = ModelIOCatcher(model, None)
+    ids = torch.randint(0, 50, (2, 6))
+    parts = {(layer.module, layer.kind): layer.value}
+    session = catcher(inputs=["model.layers.1"], grad_inputs=["model.layers.1"], parts=parts)
+    with session as buf, recording_gradients():
+        loss = model(input_ids=ids).logits.sum()
+        torch.autograd.grad(loss, session.gradient_edges())
+    assert len(session.gradient_edges()) == 0  # taken at close
+    value, grad = buf["model.layers.1"]["inputs"][0], buf["model.layers.1"]["grad_inputs"][0]
+    assert isinstance(value, torch.Tensor) and value.shape == grad.shape == (2, 6, 32)

@@ -103,7 +103,7 @@ def test_gradients_equal_autograd_of_hand_written_hooks(build: Any, recording: b
         context = recording_gradients() if recording else torch.enable_grad()
         with context:
             loss = _loss(model, batch)
-            torch.autograd.grad(loss, catcher.session.gradient_tensors())
+            torch.autograd.grad(loss, catcher.session.gradient_edges())
     flat = flatten_captures(buf)
     out0 = flat.get(f"{layers}.0/grad_outputs/0", flat.get(f"{layers}.0/grad_outputs"))
     torch.testing.assert_close(out0, expected[0], rtol=0, atol=1e-6)
@@ -136,7 +136,7 @@ def test_a_module_called_twice_gives_each_call_its_gradient() -> None:
     handle.remove()
     catcher = ModelIOCatcher(model, "cpu")
     with catcher(grad_outputs=["shared"], grad_inputs=["shared"]) as buf, torch.enable_grad():
-        forward(x).backward(inputs=catcher.session.gradient_tensors())
+        forward(x).backward(inputs=catcher.session.gradient_edges())
     assert [g.shape for g in buf["shared"]["grad_outputs"]] == [(5, 4), (5, 4)]
     for got, want in zip(buf["shared"]["grad_outputs"], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
@@ -158,7 +158,7 @@ def test_bf16_autocast_gradients_equal_the_hand_written_ones() -> None:
         catcher = ModelIOCatcher(model, "cpu")
         session = catcher.from_spec("grad_outputs[model.layers.1.mlp]")
         with session as buf, recording_gradients():
-            torch.autograd.grad(_loss(model, batch), session.gradient_tensors())
+            torch.autograd.grad(_loss(model, batch), session.gradient_edges())
     got = buf["model.layers.1.mlp"]["grad_outputs"][0]
     assert got.dtype == expected[0].dtype == torch.bfloat16
     torch.testing.assert_close(got, expected[0], rtol=0, atol=0)
@@ -206,7 +206,7 @@ def test_a_batch_made_under_inference_mode_gives_the_same_gradients() -> None:
         warnings.simplefilter("error")
         session = catcher.from_spec("grad_outputs[transformer.h.1]")
         with session as buf, recording_gradients():
-            torch.autograd.grad(_loss(model, batch), session.gradient_tensors())
+            torch.autograd.grad(_loss(model, batch), session.gradient_edges())
     expected = _hand_written(model, [("transformer.h.1", "outputs")], _batch())
     flat = flatten_captures(buf)
     got = flat.get("transformer.h.1/grad_outputs/0", flat.get("transformer.h.1/grad_outputs"))
@@ -224,8 +224,10 @@ def test_a_taken_batch_leaves_no_graph_alive() -> None:
     with catcher.from_spec("grad_outputs[0|1]") as buf:
         with recording_gradients():
             loss = net(torch.ones(3, 2)).sum()
-            sites = [weakref.ref(t) for t in catcher.session.gradient_tensors()]
-            torch.autograd.grad(loss, catcher.session.gradient_tensors())
+            held = catcher.session._gradients.sites
+            sites = [weakref.ref(t) for site in held for t in site.tensors]
+            del held
+            torch.autograd.grad(loss, catcher.session.gradient_edges())
         del loss
         catcher.session.take()
     gc.collect()
@@ -251,12 +253,20 @@ def test_a_parameter_given_as_an_input_keeps_no_hook_and_one_tensor_is_one_value
 
     net = Net()
     x = torch.randn(4, 3)
+    truth: list[Any] = []  # PyTorch's own: the gradient through the module only
+    handle = net.scale.register_full_backward_hook(lambda m, g_in, g_out: truth.append(g_in))
+    with torch.enable_grad():
+        net(x.requires_grad_()).backward()
+    handle.remove()
+    net.zero_grad(set_to_none=True)
     catcher = ModelIOCatcher(net, "cpu")
     for _ in range(3):
         with catcher(grad_inputs=["scale"]) as buf, recording_gradients():
-            torch.autograd.grad(net(x), catcher.session.gradient_tensors())
+            torch.autograd.grad(net(x.detach()), catcher.session.gradient_edges())
     assert not net.w._backward_hooks  # every forward's hook removed
     got = buf["scale"]["grad_inputs"][0]["args"]
-    t = torch.tanh(x)
-    torch.testing.assert_close(got[0], 2.0 * t * 2.0)  # d/dt of (2t)*t, the use inside only
+    t = torch.tanh(x.detach())
+    torch.testing.assert_close(got[0], 2.0 * t)  # w * t: the use inside the module only
+    torch.testing.assert_close(got[0], truth[0][0])
     torch.testing.assert_close(got[1], (t * t).sum(0))
+    torch.testing.assert_close(got[1], truth[0][1])

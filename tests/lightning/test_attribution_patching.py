@@ -4,8 +4,8 @@ The truth: for every batch of the same DataLoader, the model run by hand with ha
 hooks, its next-token losses summed in float64 and ``torch.autograd.grad`` of them, the
 scores ``(a_source - a_base) . grad`` added over the epoch and divided by its tokens; the
 exact effects by a hand-written hook that returns the other run's value. Then the same on
-2 DDP processes (this file is also the script they run), 7 samples in batches of 2 (the
-sampler repeats sample 0 on the second process), must log the 1-process values.
+2 DDP processes (this file is also the script they run), 7 samples shuffled in batches of
+2 (the sampler repeats a sample on the second process), must log the 1-process values.
 
     python tests/lightning/test_attribution_patching.py OUT_DIR
 """
@@ -43,7 +43,9 @@ def pairs(n: int) -> list[dict[str, torch.Tensor]]:
     return data
 
 
-def validate(devices: int, n: int = 7, precision: str = "32-true") -> AttributionPatching:
+def validate(
+    devices: int, n: int = 7, precision: str = "32-true", shuffle: bool = False
+) -> AttributionPatching:
     atp = AttributionPatching(
         SPEC, heads={HEADS: 4}, exact=EXACT, forward=lambda m, b: forward(m, b)
     )
@@ -52,7 +54,7 @@ def validate(devices: int, n: int = 7, precision: str = "32-true") -> Attributio
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, callbacks=[atp], precision=precision,
     )  # fmt: skip
-    trainer.validate(LM(), DataLoader(pairs(n), batch_size=2), verbose=False)
+    trainer.validate(LM(), DataLoader(pairs(n), batch_size=2, shuffle=shuffle), verbose=False)
     return atp
 
 
@@ -144,7 +146,7 @@ def _truth(n: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
             ("noising", "clean", "corrupted"),
         ):
             for key, grad in runs[base]["grads"].items():
-                delta = runs[source]["values"][key] - runs[base]["values"][key]
+                delta = runs[source]["values"][key].double() - runs[base]["values"][key].double()
                 if key.startswith(HEADS):
                     delta, grad = (
                         delta.reshape(*delta.shape[:-1], 4, -1),
@@ -287,7 +289,7 @@ def test_two_processes_log_the_one_process_values_with_uneven_data(tmp_path: Pat
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    found = validate(devices=2)
+    found = validate(devices=2, shuffle=True)  # the sampler's padding is told by its place
     rank = int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else 0
     (out / f"rank{rank}.json").write_text(json.dumps(found.last_values))
     _ = nn  # the module is imported for the type of hooks above

@@ -139,7 +139,7 @@ def hidden(flat: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
 
 def flat_batch(captured: Any, batch_idx: int) -> dict[str, torch.Tensor]:
     """The flat captures of batch ``batch_idx`` (each module called once per forward)."""
-    one = {n: {k: [v[batch_idx]] for k, v in kinds.items()} for n, kinds in captured.items()}
+    one = {n: {k: [v[batch_idx]] for k, v in kinds.items() if v} for n, kinds in captured.items()}
     return flatten_captures(one)
 
 

@@ -53,6 +53,7 @@ from lightning_iocatch.capture.snapshots import map_tensors
 from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.lightning.batch_indices import BatchIndexer
 from lightning_iocatch.lightning.effect_terms import (
+    call_forward,
     default_forward,
     default_output,
     next_token_loss,
@@ -219,7 +220,10 @@ class AttributionPatching(pl.Callback):
         def run(one: Any) -> torch.Tensor:
             own = map_tensors(one, torch.clone)  # made outside inference mode: saveable
             with context():  # the forward as the step runs it; the loss outside, in float64
-                logits = self.output(self.forward(pl_module, map_tensors(own, torch.clone)))
+                out = call_forward(
+                    self.forward, pl_module, map_tensors(own, torch.clone), "AttributionPatching"
+                )
+                logits = self.output(out)
             value = self.loss(logits, own)
             sums, terms = value if isinstance(value, tuple) else (value, torch.ones_like(value))
             counts[id(one)] = terms.detach().double()

@@ -6,13 +6,19 @@ default (:func:`default_forward`, :func:`default_output`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["default_forward", "default_output", "kl_per_sample", "next_token_loss"]
+__all__ = [
+    "call_forward",
+    "default_forward",
+    "default_output",
+    "kl_per_sample",
+    "next_token_loss",
+]
 
 _CHUNK = 256  # positions turned into float64 [positions, vocab] at once
 
@@ -109,6 +115,30 @@ def default_forward(module: pl.LightningModule, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return module(batch[0])
     return module(batch)
+
+
+def call_forward(
+    forward: Callable[[pl.LightningModule, Any], Any],
+    module: pl.LightningModule,
+    batch: Any,
+    owner: str,
+) -> Any:
+    """``forward(module, batch)``; where the default forward fails to call the model, a
+    ``TypeError`` that says how ``owner`` (e.g. ``"InterventionEffects"``) called it and
+    that ``forward=`` (and ``output=``) fix it."""
+    try:
+        return forward(module, batch)
+    except TypeError as error:
+        if forward is not default_forward:
+            raise
+        call = "pl_module(**batch)" if isinstance(batch, Mapping) else "pl_module(batch[0])"
+        raise TypeError(
+            f"{owner} called the model as `{call}` (its default `forward=`), which failed: "
+            f"{error}. Give `forward=` calling it as your step does, and `output=` if the "
+            "result is not the logits (or has no `.logits`), e.g. "
+            f"{owner}(..., forward=lambda module, batch: module(batch), "
+            "output=lambda out: out.logits)"
+        ) from error
 
 
 def default_output(output: Any) -> torch.Tensor:

@@ -57,6 +57,7 @@ from lightning_iocatch.capture.store_patch import refuse_left_padding
 from lightning_iocatch.capture.variants import CLEAN, Variants
 from lightning_iocatch.lightning.batch_indices import BatchIndexer, missing_indices_reason
 from lightning_iocatch.lightning.effect_terms import (
+    call_forward,
     default_forward,
     default_output,
     kl_per_sample,
@@ -256,19 +257,8 @@ class InterventionEffects(pl.Callback):
 
     def _forward(self, pl_module: pl.LightningModule, batch: Any) -> Any:
         """One forward, on its own copy of the batch (a model may write into its input)."""
-        try:
-            return self.forward(pl_module, map_tensors(batch, torch.clone))
-        except TypeError as error:
-            if self.forward is not default_forward:
-                raise
-            call = "pl_module(**batch)" if isinstance(batch, Mapping) else "pl_module(batch[0])"
-            raise TypeError(
-                f"InterventionEffects called the model as `{call}` (its default `forward=`), "
-                f"which failed: {error}. Give `forward=` calling it as your validation_step "
-                "does, and `output=` if the result is not the logits (or has no `.logits`), "
-                "e.g. InterventionEffects(variants, forward=lambda module, batch: module(batch), "
-                "output=lambda out: out.logits)"
-            ) from error
+        own = map_tensors(batch, torch.clone)
+        return call_forward(self.forward, pl_module, own, "InterventionEffects")
 
     def _terms(self, logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         value = self.loss(logits, batch)

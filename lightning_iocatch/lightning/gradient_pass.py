@@ -31,7 +31,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -43,6 +43,7 @@ from lightning_iocatch.capture.gradients import recording_gradients
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.snapshots import map_tensors
 from lightning_iocatch.lightning.effect_terms import (
+    call_forward,
     default_forward,
     default_output,
     next_token_loss,
@@ -125,18 +126,7 @@ class GradientPass:
                 session.close()  # a second close does nothing
 
     def _forward(self, pl_module: pl.LightningModule, batch: Any) -> Any:
-        try:
-            return self.forward(pl_module, batch)
-        except TypeError as error:
-            if self.forward is not default_forward:
-                raise
-            call = "pl_module(**batch)" if isinstance(batch, Mapping) else "pl_module(batch[0])"
-            raise TypeError(
-                f"IOCaptureCallback ran the model for its gradients as `{call}` (its default "
-                f"`forward=`), which failed: {error}. Give `forward=` calling it as your step "
-                "does, e.g. IOCaptureCallback(spec, forward=lambda module, batch: "
-                "module(batch), output=lambda out: out.logits)"
-            ) from error
+        return call_forward(self.forward, pl_module, batch, "IOCaptureCallback")
 
     def _total(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
         """The sum over the batch of each sample's loss (of its terms' sum)."""

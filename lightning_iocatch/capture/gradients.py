@@ -68,7 +68,8 @@ GRADIENT_KINDS: tuple[Kind, Kind] = ("grad_inputs", "grad_outputs")
 Part = Callable[[Any], torch.Tensor]
 """Picks one tensor of a value as captures hold it (inputs: ``{"args", "kwargs"}``)."""
 
-_state = threading.local()  # .recording: inside `recording_gradients` in this thread
+_state = threading.local()  # .recording: False, "armed" (inside `recording_gradients`), "on"
+_TAKEN = torch.empty(0)  # a part's place once found: later places of its tensor stay
 
 
 @contextmanager
@@ -89,7 +90,7 @@ def recording_gradients() -> Iterator[None]:
     """
     before = getattr(_state, "recording", False)
     with torch.inference_mode(False), torch.no_grad():
-        _state.recording = True
+        _state.recording = "armed"
         try:
             yield
         finally:
@@ -108,6 +109,7 @@ class _Site:
     edges: list[GradientEdge] = field(default_factory=list)  # their places in the graph
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by place in `tensors`
     handles: list[Any] = field(default_factory=list)  # the tensor hooks, removed at the end
+    versions: list[int] = field(default_factory=list)  # of the copies, as handed on
 
     def release(self) -> None:
         """Remove the tensor hooks."""
@@ -147,24 +149,28 @@ class GradientSites:
         """``value`` with each of its floating tensors (only the one ``part`` picks of
         ``{"args", "kwargs"}`` or the output, if given) replaced by a copy in the graph,
         hooked, for the forward to go on with."""
-        _check_recording(name, kind)
+        try:
+            _check_recording(name, kind)
+        except CaptureError:
+            self.clear()  # the error is the news: not also "no backward reached"
+            raise
         target = None if part is None else part(_structured(kind, value))
         site = _Site(name, kind, value, single=part is not None)
-        seen: dict[int, torch.Tensor] = {}  # a tensor given twice is one value, one copy
 
         def hooked(tensor: torch.Tensor) -> torch.Tensor:
-            if target is not None and tensor is not target:
-                return tensor
+            nonlocal target
+            if part is not None:  # the part's place: its first place, as an edit finds it
+                if tensor is not target:
+                    return tensor
+                target = _TAKEN
             if not tensor.is_floating_point() and not tensor.is_complex():
                 return tensor
-            if id(tensor) in seen:
-                return seen[id(tensor)]
-            if tensor.requires_grad:
+            if tensor.requires_grad:  # a copy for each place: each use its own gradient
                 handed = tensor.clone()
             else:  # outside the graph: from a leaf of its own (a copy: no inference tensor)
                 leaf = tensor.clone() if tensor.is_inference() else tensor.detach()
                 handed = leaf.requires_grad_(True).clone()  # not a leaf: in-place ops work
-            seen[id(tensor)] = handed
+            site.versions.append(handed._version)
             place = len(site.tensors)
             site.tensors.append(handed)
             site.edges.append(get_gradient_edge(handed))
@@ -175,6 +181,25 @@ class GradientSites:
         site.value = attached
         self.sites.append(site)
         return attached
+
+    def check_unchanged(self, name: str) -> None:
+        """After a call of ``name`` whose inputs' gradients are asked for: refuse a module
+        that wrote into the copies it was given (a cache filled in place), whose caller
+        would not see the writes."""
+        site = next(
+            (s for s in reversed(self.sites) if (s.name, s.kind) == (name, "grad_inputs")), None
+        )
+        if site is None:
+            return
+        for tensor, version in zip(site.tensors, site.versions, strict=True):
+            if tensor._version != version:
+                self.clear()  # the error is the news: not also "no backward reached"
+                raise CaptureError(
+                    f"{name!r} writes into an input in place (a cache filled in place?): "
+                    "its inputs' gradients are taken at copies handed to it, so its writes "
+                    "would not reach the caller; ask for the gradient of the outputs of the "
+                    "module that computes that input instead"
+                )
 
     def clear(self) -> None:
         """Forget the batch's sites without capturing them (its backward failed)."""
@@ -253,7 +278,15 @@ def _check_recording(name: str, kind: Kind) -> None:
             "torch.inference_mode(False) and torch.enable_grad()"
         )
     if not torch.is_grad_enabled():
-        if not getattr(_state, "recording", False):
+        recording = getattr(_state, "recording", False)
+        if recording == "on":
+            raise CaptureError(
+                f"the {kind} of {name!r} are asked for where the model turned gradients off "
+                "again after an earlier gradient site (a torch.no_grad region in the model, "
+                "or reentrant activation checkpointing: checkpoint with use_reentrant=False): "
+                "its gradient would be cut off from the loss"
+            )
+        if not recording:
             raise CaptureError(
                 f"the {kind} of {name!r} are asked for in a forward run without gradients "
                 "(torch.no_grad, or inside reentrant activation checkpointing, which runs "
@@ -262,3 +295,4 @@ def _check_recording(name: str, kind: Kind) -> None:
                 "turns them on from the first gradient site"
             )
         torch.set_grad_enabled(True)  # restored as `recording_gradients` ends
+        _state.recording = "on"

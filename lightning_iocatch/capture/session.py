@@ -122,6 +122,19 @@ class CaptureSession:
         try:
             if self.edits:  # a forward of the model starts: edits count calls from 0
                 self._handles.append(self.root.register_forward_pre_hook(self._new_forward))
+            # the gradient sites before every hook there already (a model's own output
+            # recording reads the copy), and the edits before them: the copy is of the
+            # edited value
+            for name in self.grad_inputs:
+                hook = _grad_input_hook(self, name)
+                module = self.modules[name]
+                self._handles.append(
+                    module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+                )
+                self._handles.append(module.register_forward_hook(_unchanged_hook(self, name)))
+            for name in self.grad_outputs:
+                hook = _grad_output_hook(self, name)
+                self._handles.append(self.modules[name].register_forward_hook(hook, prepend=True))
             for name, kind in dict.fromkeys((edit.module, edit.kind) for edit in self.edits):
                 self._handles.append(_edit_hook(self, name, kind))  # before every capture
             for name in self.inputs:
@@ -131,14 +144,6 @@ class CaptureSession:
                 )
             for name in self.outputs:
                 hook = _output_hook(self, name)
-                self._handles.append(self.modules[name].register_forward_hook(hook))
-            for name in self.grad_inputs:
-                hook = _grad_input_hook(self, name)
-                self._handles.append(
-                    self.modules[name].register_forward_pre_hook(hook, with_kwargs=True)
-                )
-            for name in self.grad_outputs:
-                hook = _grad_output_hook(self, name)
                 self._handles.append(self.modules[name].register_forward_hook(hook))
         except BaseException:
             self.close()
@@ -314,6 +319,15 @@ def _grad_input_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
             return None  # a recomputation (activation checkpointing) is not a new call
         part = session.parts.get((name, "inputs"))
         return session._gradients.attach(name, "grad_inputs", (args, kwargs), part)
+
+    return hook
+
+
+def _unchanged_hook(session: CaptureSession, name: str) -> Callable[..., None]:
+    @torch.compiler.disable
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not _in_backward() and session._acts():
+            session._gradients.check_unchanged(name)
 
     return hook
 

@@ -252,3 +252,52 @@ def test_only_the_patched_tensor_of_an_inputs_component_is_captured() -> None:
     assert len(session.gradient_edges()) == 0  # taken at close
     value, grad = buf["model.layers.1"]["inputs"][0], buf["model.layers.1"]["grad_inputs"][0]
     assert isinstance(value, torch.Tensor) and value.shape == grad.shape == (2, 6, 32)
+
+
+def test_one_tensor_in_two_places_is_patched_and_scored_at_its_first() -> None:
+    """``f(x, x)``, as ``nn.MultiheadAttention(x, x, x)`` is called: an edit of the inputs
+    patches the first place only, and so does the estimate; each place has its own
+    gradient, as register_full_backward_hook gives them."""
+    torch.manual_seed(9)
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.v = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.q(q) + self.v(v)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.two, self.head = nn.Linear(3, 4), Two(), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.emb(x)
+            return self.head(self.two(h, h))
+
+    net = Net()
+    clean, corrupted = torch.randn(2, 5, 3), torch.randn(2, 5, 3)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return net(x).sum(dim=(1, 2))
+
+    found = attribution_patching(net, "inputs[two]", run, clean, corrupted)
+    exact = exact_patching(net, "two/inputs", run, clean, corrupted)
+    torch.testing.assert_close(
+        found.scores["denoising"]["two/inputs"].sum(-1), exact, atol=1e-5, rtol=0
+    )
+    truth: list[Any] = []
+    handle = net.two.register_full_backward_hook(lambda m, g_in, g_out: truth.append(g_in))
+    with torch.enable_grad():
+        run(clean.requires_grad_()).sum().backward()
+    handle.remove()
+    net.zero_grad(set_to_none=True)
+    catcher = ModelIOCatcher(net, "cpu")
+    with catcher(grad_inputs=["two"]) as buf, recording_gradients():
+        torch.autograd.grad(run(clean.detach()).sum(), catcher.session.gradient_edges())
+    got = buf["two"]["grad_inputs"][0]["args"]
+    torch.testing.assert_close(got[0], truth[0][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(got[1], truth[0][1], atol=1e-6, rtol=0)
+    assert not torch.allclose(got[0], got[1])

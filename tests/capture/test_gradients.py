@@ -235,7 +235,7 @@ def test_a_taken_batch_leaves_no_graph_alive() -> None:
     assert len(buf["0"]["grad_outputs"]) == 1  # the gradient itself is a copy of its own
 
 
-def test_a_parameter_given_as_an_input_keeps_no_hook_and_one_tensor_is_one_value() -> None:
+def test_a_parameter_given_as_an_input_keeps_no_hook_and_counts_its_module_only() -> None:
     class Scale(nn.Module):
         def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return x * w, x * w
@@ -270,3 +270,68 @@ def test_a_parameter_given_as_an_input_keeps_no_hook_and_one_tensor_is_one_value
     torch.testing.assert_close(got[0], truth[0][0])
     torch.testing.assert_close(got[1], (t * t).sum(0))
     torch.testing.assert_close(got[1], truth[0][1])
+
+
+def test_the_models_own_output_recording_reads_the_copy_of_a_site() -> None:
+    """Hugging Face records ``hidden_states`` by hooks it adds at the first call: a loss
+    that reads them gets its gradient through the site too, whichever ran first."""
+    torch.manual_seed(7)
+    model = _llama()
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        model(input_ids=ids, output_hidden_states=True)  # the model's own hooks are in
+
+    def loss_of(out: Any) -> torch.Tensor:
+        return out.loss + 1e-2 * out.hidden_states[2].pow(2).sum()  # [2]: layer 1's output
+
+    held: list[torch.Tensor] = []
+    handle = model.model.layers[1].register_forward_hook(lambda m, a, o: held.append(o))
+    with torch.enable_grad():
+        truth = torch.autograd.grad(
+            loss_of(model(input_ids=ids, labels=ids, output_hidden_states=True)), held
+        )[0]
+    handle.remove()
+    catcher = ModelIOCatcher(model, "cpu")
+    with catcher(grad_outputs=["model.layers.1"]) as buf, recording_gradients():
+        out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+        torch.autograd.grad(loss_of(out), catcher.session.gradient_edges())
+    got = buf["model.layers.1"]["grad_outputs"][0]
+    torch.testing.assert_close(got, truth, rtol=0, atol=1e-6)
+
+
+def test_gradients_turned_off_again_in_the_forward_are_refused() -> None:
+    """Reentrant activation checkpointing runs its forward without gradients: a site
+    after it would be cut off from the loss (zeros), so it is refused."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(8)
+    net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(net[0], x, use_reentrant=True)
+        return net[2](net[1](h))
+
+    catcher = ModelIOCatcher(net, "cpu")
+    x = torch.randn(2, 3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no backward reached" beside the error
+        refused = pytest.raises(CaptureError, match="use_reentrant=False")
+        with refused, catcher(grad_outputs=["0", "1"]), recording_gradients():
+            forward(x)
+
+
+def test_a_module_that_writes_into_its_input_is_refused() -> None:
+    """Its inputs' gradients are taken at copies: the caller would not see its writes."""
+
+    class Cache(nn.Module):
+        def forward(self, cache: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            cache[:, : x.shape[1]] = x  # a cache filled in place
+            return cache.sum(1)
+
+    net = nn.ModuleDict({"cache": Cache()})
+    catcher = ModelIOCatcher(net, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        refused = pytest.raises(CaptureError, match="writes into an input in place")
+        with refused, catcher(grad_inputs=["cache"]), recording_gradients():
+            net["cache"](torch.zeros(2, 4), torch.ones(2, 2))

@@ -1,0 +1,233 @@
+"""ActivationMonitor: the health of watched modules during ``fit``, every N steps, cheaply.
+
+On the first optimizer step and every ``every_n_steps`` after it, the monitor opens a
+capture session on the LightningModule for that step's batches (every micro-batch of a
+step under gradient accumulation) and closes it at the step's end: between watched steps
+nothing is registered. Each captured tensor of the spec (``outputs[...]``, ``inputs[...]``,
+and the gradients ``grad_outputs[...]``, ``grad_inputs[...]``, taken in the training
+step's own backward) is reduced on its device to a small statistics vector
+(:func:`~lightning_iocatch.probes.health.health_statistics`, real tokens only where the
+batch has an ``attention_mask``); at the step's end the vectors of every process are
+gathered in one collective, merged, and logged through Lightning for each flat key
+``k``: ``{prefix}/{k}/mean``, ``/rms``, ``/absmax``, ``/kurtosis``, ``/dead_frac`` (units
+zero on every row of the step) and ``/nonfinite`` (NaN and ±inf values).
+
+A NaN or inf in a watched forward or backward is traced to the first place it appeared:
+the first key in the forward's execution order that has one, else, for gradients, the
+first in the backward's (the last of the forward). The monitor records it in
+:attr:`ActivationMonitor.nonfinite` (the step, the key, the batch's dataset indices when
+``indices=`` gives them) and warns, or with ``on_nonfinite="raise"`` stops training with
+that message.
+
+Examples:
+    >>> monitor = ActivationMonitor("outputs[model.layers.*]", every_n_steps=50)
+    >>> monitor.watches(0), monitor.watches(49), monitor.watches(50)
+    (True, False, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_iocatch.capture.catcher import ModelIOCatcher
+from lightning_iocatch.capture.keys import flatten_captures
+from lightning_iocatch.capture.session import CaptureSession
+from lightning_iocatch.capture.spec import CaptureSpec
+from lightning_iocatch.capture.transform import Site
+from lightning_iocatch.probes.health import HealthFigures, health_statistics, merge_statistics
+from lightning_iocatch.token_mask import masks, real_tokens
+
+__all__ = ["ActivationMonitor", "NonFiniteError"]
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or inf appeared in a watched forward or backward (``on_nonfinite="raise"``)."""
+
+
+class _Statistics:
+    """The transform of a watched batch: each floating tensor becomes its statistics
+    vector, on its device; the order of the captures is kept (execution order)."""
+
+    def __init__(self, rows: torch.Tensor | None) -> None:
+        self.rows = rows
+        self.order: list[tuple[str, str]] = []
+
+    def capture(self, tensor: torch.Tensor, site: Site) -> torch.Tensor:
+        self.order.append((site.module, site.kind))
+        if not tensor.is_floating_point():
+            return tensor.new_zeros(0, dtype=torch.float64)  # nothing to watch
+        rows = self.rows if masks(tensor, self.rows) else None
+        return health_statistics(tensor, rows)
+
+
+class ActivationMonitor(pl.Callback):
+    """Watch the modules of ``spec`` during training every ``every_n_steps`` steps.
+
+    Args:
+        spec: the values to watch, e.g. ``"outputs[model.layers.*]|grad_outputs[model.layers.*]"``
+            (names as seen from the LightningModule).
+        every_n_steps: watch the first optimizer step and every N-th after it.
+        tokens: count only the real tokens of a batch with an ``attention_mask``
+            (``"attention_mask"``), or every row (``None``).
+        on_nonfinite: ``"warn"``, or ``"raise"`` (a :class:`NonFiniteError` stops ``fit``).
+        indices: ``indices(batch)`` -> the batch's dataset indices, kept with a
+            non-finite value.
+        prefix: of the logged names.
+    """
+
+    def __init__(
+        self,
+        spec: str,
+        *,
+        every_n_steps: int = 50,
+        tokens: str | None = "attention_mask",
+        on_nonfinite: str = "warn",
+        indices: Callable[[Any], Sequence[int]] | None = None,
+        prefix: str = "health",
+    ) -> None:
+        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"`every_n_steps` must be a positive integer, got {every_n_steps!r}")
+        if on_nonfinite not in ("warn", "raise"):
+            raise ValueError(f"`on_nonfinite` must be 'warn' or 'raise', got {on_nonfinite!r}")
+        if tokens not in ("attention_mask", None):
+            raise ValueError(f"`tokens` must be 'attention_mask' or None, got {tokens!r}")
+        self.spec = CaptureSpec.parse(spec)
+        if self.spec.is_empty:
+            raise ValueError(f"the spec {spec!r} watches nothing")
+        self.every_n_steps, self.tokens = every_n_steps, tokens
+        self.on_nonfinite, self.indices, self.prefix = on_nonfinite, indices, prefix
+        self.last_values: dict[str, float] = {}
+        self.history: list[tuple[int, dict[str, float]]] = []  # (step, its figures)
+        self.nonfinite: list[dict[str, Any]] = []
+        self._catcher: ModelIOCatcher | None = None
+        self._session: CaptureSession | None = None
+        self._transform: _Statistics | None = None
+        self._step = -1  # the optimizer step being watched
+        self._vectors: dict[str, torch.Tensor] = {}  # flat key -> merged statistics
+        self._order: list[tuple[str, str]] = []
+        self._batch_indices: list[int] = []
+
+    def watches(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (0 first) is watched."""
+        return step % self.every_n_steps == 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._catcher = ModelIOCatcher(pl_module, None)
+        self._catcher.from_spec(self.spec)  # the names are checked before the first step
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if self._step >= 0 and step != self._step:
+            self._finish(trainer, pl_module)  # a step left unfinished (an epoch's end)
+        if not self.watches(step) or self._catcher is None:
+            return
+        rows = real_tokens(batch, "ActivationMonitor") if self.tokens else None
+        self._transform = _Statistics(rows)
+        self._session = self._catcher.from_spec(self.spec, transform=self._transform)
+        self._session.open()
+        self._step = step
+        if self.indices is not None:
+            self._batch_indices += [int(i) for i in self.indices(batch)]
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        session, self._session = self._session, None
+        if session is None:
+            return
+        try:
+            captured = session.take()
+        finally:
+            session.close()
+        transform, self._transform = self._transform, None
+        for key, vector in flatten_captures(captured).items():
+            if vector.numel() == 0:
+                continue
+            held = self._vectors.get(key)
+            self._vectors[key] = (
+                vector if held is None else merge_statistics(torch.stack([held, vector]))
+            )
+        if transform is not None:
+            self._order += [place for place in transform.order if place not in self._order]
+        if trainer.global_step != self._step:  # the optimizer stepped: the step is whole
+            self._finish(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._step >= 0:
+            self._finish(trainer, pl_module)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Gather the step's statistics from every process (one collective), log them,
+        and trace a non-finite value to its first place."""
+        step, self._step = self._step, -1
+        vectors, self._vectors = self._vectors, {}
+        order, self._order = self._order, []
+        indices, self._batch_indices = self._batch_indices, []
+        if not vectors:
+            return
+        keys = sorted(vectors)
+        flat = torch.cat([vectors[key] for key in keys])
+        several = trainer.world_size > 1  # then one collective: [world, length]
+        gathered = trainer.strategy.all_gather(flat) if several else flat[None]
+        figures: dict[str, HealthFigures] = {}
+        start = 0
+        for key in keys:
+            width = len(vectors[key])
+            figures[key] = HealthFigures.of(merge_statistics(gathered[:, start : start + width]))
+            start += width
+        logged = {
+            f"{self.prefix}/{key}/{name}": value
+            for key, found in figures.items()
+            for name, value in found.scalars().items()
+        }
+        for name, value in logged.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False)
+        self.last_values = logged
+        self.history.append((step, logged))
+        self._trace_nonfinite(step, figures, order, indices)
+
+    def _trace_nonfinite(
+        self,
+        step: int,
+        figures: dict[str, HealthFigures],
+        order: list[tuple[str, str]],
+        indices: list[int],
+    ) -> None:
+        bad = [key for key, found in figures.items() if found.nan or found.inf]
+        if not bad:
+            return
+        forward = [place for place in order if not place[1].startswith("grad_")]
+        backward = [place for place in reversed(order) if place[1].startswith("grad_")]
+        first = next(
+            (
+                key
+                for module, kind in [*forward, *backward]
+                for key in bad
+                if key.split("/")[0] == module and key.split("/")[1].split("@")[0] == kind
+            ),
+            bad[0],
+        )
+        found = figures[first]
+        message = (
+            f"ActivationMonitor: at step {step}, the first non-finite value of the watched "
+            f"forward and backward is in {first!r} ({found.nan} NaN, {found.inf} inf)"
+        )
+        self.nonfinite.append({"step": step, "key": first, "indices": indices or None})
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(message)
+        rank_zero_warn(message)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     )
     from lightning_iocatch.errors import CaptureError, SpecError, StoreError, UnknownModuleError
     from lightning_iocatch.lightning import (
+        ActivationMonitor,
         AttributionPatching,
         BatchCaptures,
         CaptureSink,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from lightning_iocatch.store import FeatureStore, StoreRows, TokenRows
 
 _HOMES = {
+    "ActivationMonitor": "lightning",
     "AttributionPatching": "lightning",
     "IOCaptureCallback": "lightning",
     "InterventionEffects": "lightning",
@@ -70,6 +72,7 @@ _HOMES = {
 }
 
 __all__ = [
+    "ActivationMonitor",
     "AttributionPatching",
     "BatchCaptures",
     "CaptureBuffer",

@@ -1,5 +1,6 @@
 """The Lightning adapter: the callback, its sinks, the writer sink, the data module, the
-effects of edits and the attribution of a behaviour to components, as validation metrics.
+effects of edits and the attribution of a behaviour to components, as validation metrics,
+and the health of activations during training.
 
 Everything here sits on the core (:mod:`lightning_iocatch.capture`,
 :mod:`lightning_iocatch.store`, :mod:`lightning_iocatch.probes`); nothing in the core
@@ -12,9 +13,11 @@ from lightning_iocatch.lightning.callback import IOCaptureCallback
 from lightning_iocatch.lightning.datamodule import StoreDataModule
 from lightning_iocatch.lightning.effects import InterventionEffects
 from lightning_iocatch.lightning.feature_writer import FeatureWriter
+from lightning_iocatch.lightning.health_monitor import ActivationMonitor, NonFiniteError
 from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink, MemorySink
 
 __all__ = [
+    "ActivationMonitor",
     "AttributionPatching",
     "BatchCaptures",
     "CaptureSink",
@@ -22,5 +25,6 @@ __all__ = [
     "IOCaptureCallback",
     "InterventionEffects",
     "MemorySink",
+    "NonFiniteError",
     "StoreDataModule",
 ]

@@ -50,6 +50,7 @@ called for a whole batch when one of its samples needs it) differs with the batc
 
 from lightning_iocatch.probes.base import POOLS, pool_features, usable
 from lightning_iocatch.probes.cka import LayerCKA
+from lightning_iocatch.probes.health import HealthFigures, health_statistics, merge_statistics
 from lightning_iocatch.probes.linear import LinearProbe
 from lightning_iocatch.probes.stats import ActivationStats
 from lightning_iocatch.probes.unit_summary import UnitSummary
@@ -58,10 +59,13 @@ from lightning_iocatch.probes.units import UnitActivations
 __all__ = [
     "POOLS",
     "ActivationStats",
+    "HealthFigures",
     "LayerCKA",
     "LinearProbe",
     "UnitActivations",
     "UnitSummary",
+    "health_statistics",
+    "merge_statistics",
     "pool_features",
     "usable",
 ]

@@ -39,7 +39,12 @@ from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.capture.transform import Site
-from lightning_iocatch.probes.health import HealthFigures, health_statistics, merge_statistics
+from lightning_iocatch.probes.health import (
+    EDGES,
+    HealthFigures,
+    health_statistics,
+    merge_statistics,
+)
 from lightning_iocatch.token_mask import masks, real_tokens
 
 __all__ = ["ActivationMonitor", "NonFiniteError"]
@@ -53,8 +58,8 @@ class _Statistics:
     """The transform of a watched batch: each floating tensor becomes its statistics
     vector, on its device; the order of the captures is kept (execution order)."""
 
-    def __init__(self, rows: torch.Tensor | None) -> None:
-        self.rows = rows
+    def __init__(self, rows: torch.Tensor | None, histogram: bool) -> None:
+        self.rows, self.histogram = rows, histogram
         self.order: list[tuple[str, str]] = []
 
     def capture(self, tensor: torch.Tensor, site: Site) -> torch.Tensor:
@@ -62,7 +67,26 @@ class _Statistics:
         if not tensor.is_floating_point():
             return tensor.new_zeros(0, dtype=torch.float64)  # nothing to watch
         rows = self.rows if masks(tensor, self.rows) else None
-        return health_statistics(tensor, rows)
+        return health_statistics(tensor, rows, self.histogram)
+
+
+def _log_histograms(
+    trainer: pl.Trainer, prefix: str, figures: dict[str, HealthFigures], step: int
+) -> None:
+    """Each key's histogram of ``|x|`` to every logger that takes raw histograms."""
+    for logger in trainer.loggers:
+        add = getattr(getattr(logger, "experiment", None), "add_histogram_raw", None)
+        if not callable(add):
+            continue
+        for key, found in figures.items():
+            if not found.count:
+                continue
+            limits = [*EDGES, max(found.absmax, EDGES[-1]) * 10]  # the last: above the edges
+            add(
+                tag=f"{prefix}/{key}/abs", min=0.0, max=found.absmax, num=found.count,
+                sum=found.sums[0], sum_squares=found.sums[1], bucket_limits=limits,
+                bucket_counts=list(found.histogram), global_step=step,
+            )  # fmt: skip
 
 
 class ActivationMonitor(pl.Callback):
@@ -77,6 +101,9 @@ class ActivationMonitor(pl.Callback):
         on_nonfinite: ``"warn"``, or ``"raise"`` (a :class:`NonFiniteError` stops ``fit``).
         indices: ``indices(batch)`` -> the batch's dataset indices, kept with a
             non-finite value.
+        histograms: also a histogram of ``|x|`` per key (4 bins a decade, ``1e-6`` to
+            ``1e3``), logged as ``{prefix}/{key}/abs`` by the loggers that take raw
+            histograms (Lightning's ``TensorBoardLogger``).
         prefix: of the logged names.
     """
 
@@ -88,6 +115,7 @@ class ActivationMonitor(pl.Callback):
         tokens: str | None = "attention_mask",
         on_nonfinite: str = "warn",
         indices: Callable[[Any], Sequence[int]] | None = None,
+        histograms: bool = False,
         prefix: str = "health",
     ) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
@@ -101,6 +129,7 @@ class ActivationMonitor(pl.Callback):
             raise ValueError(f"the spec {spec!r} watches nothing")
         self.every_n_steps, self.tokens = every_n_steps, tokens
         self.on_nonfinite, self.indices, self.prefix = on_nonfinite, indices, prefix
+        self.histograms = histograms
         self.last_values: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, its figures)
         self.nonfinite: list[dict[str, Any]] = []
@@ -129,7 +158,7 @@ class ActivationMonitor(pl.Callback):
         if not self.watches(step) or self._catcher is None:
             return
         rows = real_tokens(batch, "ActivationMonitor") if self.tokens else None
-        self._transform = _Statistics(rows)
+        self._transform = _Statistics(rows, self.histograms)
         self._session = self._catcher.from_spec(self.spec, transform=self._transform)
         self._session.open()
         self._step = step
@@ -188,7 +217,8 @@ class ActivationMonitor(pl.Callback):
         start = 0
         for key in keys:
             width = len(vectors[key])
-            figures[key] = HealthFigures.of(merge_statistics(gathered[:, start : start + width]))
+            merged = merge_statistics(gathered[:, start : start + width])
+            figures[key] = HealthFigures.of(merged, self.histograms)
             start += width
         logged = {
             f"{self.prefix}/{key}/{name}": value
@@ -199,6 +229,8 @@ class ActivationMonitor(pl.Callback):
             pl_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False)
         self.last_values = logged
         self.history.append((step, logged))
+        if self.histograms:
+            _log_histograms(trainer, self.prefix, figures, step)
         self._trace_nonfinite(step, figures, order, indices)
 
     def _trace_nonfinite(

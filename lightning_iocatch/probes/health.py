@@ -24,14 +24,21 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HEAD", "HealthFigures", "health_statistics", "merge_statistics"]
+__all__ = ["EDGES", "HEAD", "HealthFigures", "health_statistics", "merge_statistics"]
 
-HEAD = 8  # count, sum, sum2, sum3, sum4, absmax, nan, inf; then one count per unit
+HEAD = 8  # count, sum, sum2, sum3, sum4, absmax, nan, inf; [a histogram]; a count per unit
 _MAX = 5  # the place of absmax: taken as a maximum, every other place is added
+EDGES = tuple(10.0 ** (k / 4) for k in range(-24, 13))
+"""The edges of the histogram of ``|x|`` (``1e-6`` to ``1e3``, 4 bins a decade): with the
+values below the first and above the last, ``len(EDGES) + 1`` counts."""
 
 
-def health_statistics(tensor: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The statistics vector of ``tensor`` (float64, on its device: ``HEAD`` + units).
+def health_statistics(
+    tensor: torch.Tensor, rows: torch.Tensor | None = None, histogram: bool = False
+) -> torch.Tensor:
+    """The statistics vector of ``tensor`` (float64, on its device: ``HEAD``, with
+    ``histogram`` the counts of the finite ``|x|`` between :data:`EDGES`, then a count per
+    unit).
 
     ``rows``: a bool mask over the tensor's leading dimensions; only those rows count.
     """
@@ -56,7 +63,12 @@ def health_statistics(tensor: torch.Tensor, rows: torch.Tensor | None = None) ->
         ]
     )
     nonzero = (values != 0).sum(0).double()
-    return torch.cat([head, nonzero])
+    if not histogram:
+        return torch.cat([head, nonzero])
+    edges = torch.tensor(EDGES, dtype=torch.float64, device=values.device)
+    places = torch.bucketize(wide.abs()[finite], edges, right=True)  # 0: below the first
+    counts = torch.bincount(places, minlength=len(EDGES) + 1).double()
+    return torch.cat([head, counts, nonzero])
 
 
 def merge_statistics(vectors: torch.Tensor) -> torch.Tensor:
@@ -87,22 +99,27 @@ class HealthFigures:
     dead_fraction: float
     nan: int
     inf: int
+    histogram: tuple[float, ...] = ()  # counts of |x| between EDGES, if asked for
+    sums: tuple[float, float] = (math.nan, math.nan)  # of x and of x^2
 
     @classmethod
-    def of(cls, vector: torch.Tensor) -> HealthFigures:
-        """Read a (merged) statistics vector, on any device."""
+    def of(cls, vector: torch.Tensor, histogram: bool = False) -> HealthFigures:
+        """Read a (merged) statistics vector, on any device (``histogram``: it has one)."""
         values = vector.detach().double().cpu().tolist()
         count, s1, s2, s3, s4, absmax, nan, inf = values[:HEAD]
-        units = values[HEAD:]
+        bins = len(EDGES) + 1 if histogram else 0
+        counts, units = tuple(values[HEAD : HEAD + bins]), values[HEAD + bins :]
         if not count:
-            return cls(0, math.nan, math.nan, math.nan, math.nan, math.nan, int(nan), int(inf))
+            none = math.nan
+            return cls(0, none, none, none, none, none, int(nan), int(inf), counts)
         mean = s1 / count
         variance = max(s2 / count - mean * mean, 0.0)
         fourth = s4 / count - 4 * mean * s3 / count + 6 * mean**2 * s2 / count - 3 * mean**4
         kurtosis = fourth / variance**2 if variance > 0 else math.nan
         dead = sum(1 for unit in units if unit == 0) / len(units) if units else math.nan
+        rms = math.sqrt(s2 / count)
         return cls(
-            int(count), mean, math.sqrt(s2 / count), absmax, kurtosis, dead, int(nan), int(inf)
+            int(count), mean, rms, absmax, kurtosis, dead, int(nan), int(inf), counts, (s1, s2)
         )
 
     def scalars(self) -> dict[str, float]:

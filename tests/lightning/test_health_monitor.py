@@ -184,3 +184,47 @@ def test_nothing_is_registered_between_watched_steps() -> None:
     monitor = ActivationMonitor("outputs[model.transformer.h.*]", every_n_steps=3)
     fit([Counting(), monitor], steps=6)
     assert added == [4, 0, 0, 4, 0, 0]  # the 4 blocks' hooks on steps 0 and 3 only
+
+
+def _histograms(directory: Any) -> dict[tuple[str, int], list[float]]:
+    """The raw histograms of the event files under ``directory``, read record by record
+    (length, its CRC, the event, its CRC) with tensorboardX's protocol buffers."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    found = {}
+    for path in Path(directory).rglob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("histo"):
+                    found[(value.tag, event.step)] = list(value.histo.bucket)
+    return found
+
+
+def test_histograms_of_abs_values_reach_tensorboard(tmp_path: Any) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_iocatch.probes.health import EDGES
+
+    monitor = ActivationMonitor("outputs[model.transformer.h.0]", every_n_steps=2, histograms=True)
+    recorder = Recorder(2)
+    for callbacks, logger in (([monitor], TensorBoardLogger(tmp_path)), ([recorder], False)):
+        torch.manual_seed(11)
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=3, logger=logger, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks,
+            num_sanity_val_steps=0, log_every_n_steps=1,
+        )  # fmt: skip
+        trainer.fit(Trained(), DataLoader(samples(8), batch_size=2))
+    logged = _histograms(tmp_path)
+    for step in (0, 2):
+        rows = np.abs(np.concatenate(recorder.values[step]["model.transformer.h.0/outputs"]))
+        expected = np.bincount(np.searchsorted(EDGES, rows.ravel(), side="right"), minlength=38)
+        assert logged[("health/model.transformer.h.0/outputs/abs", step)] == expected.tolist()

@@ -228,3 +228,46 @@ def test_histograms_of_abs_values_reach_tensorboard(tmp_path: Any) -> None:
         rows = np.abs(np.concatenate(recorder.values[step]["model.transformer.h.0/outputs"]))
         expected = np.bincount(np.searchsorted(EDGES, rows.ravel(), side="right"), minlength=38)
         assert logged[("health/model.transformer.h.0/outputs/abs", step)] == expected.tolist()
+
+
+class NanBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
+
+
+class BadBackward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NanBackward.apply(x)
+
+
+class Chain(Net):
+    def __init__(self) -> None:
+        super().__init__(at=10**6)
+        self.mid, self.bad = nn.Linear(4, 4), BadBackward()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.last(self.bad(self.mid(self.first(batch[0])))).pow(2).mean()
+
+
+def test_a_nan_made_in_a_backward_is_traced_in_the_backward_order() -> None:
+    """The gradient of ``bad``'s output is finite (it comes from after it); the first
+    non-finite gradient the backward meets is that of ``mid``'s output."""
+    data = [(torch.randn(3), torch.tensor(i)) for i in range(6)]
+    monitor = ActivationMonitor(
+        "outputs[first|mid|bad|last]|grad_outputs[first|mid|bad|last]", every_n_steps=1
+    )
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         callbacks=[monitor])  # fmt: skip
+    with pytest.warns(UserWarning, match=r"'mid/grad_outputs'"):
+        trainer.fit(Chain(), DataLoader(data, batch_size=3))
+    logged = monitor.history[0][1]
+    assert logged["health/bad/grad_outputs/nonfinite"] == 0
+    assert logged["health/last/grad_outputs/nonfinite"] == 0
+    assert logged["health/first/grad_outputs/nonfinite"] == 12  # upstream of mid too
+    assert all(logged[f"health/{m}/outputs/nonfinite"] == 0 for m in ("first", "mid", "bad"))

@@ -10,7 +10,8 @@ step's own backward) is reduced on its device to a small statistics vector
 batch has an ``attention_mask``); at the step's end the vectors of every process are
 gathered in one collective, merged, and logged through Lightning for each flat key
 ``k``: ``{prefix}/{k}/mean``, ``/rms``, ``/absmax``, ``/kurtosis``, ``/dead_frac`` (units
-zero on every row of the step) and ``/nonfinite`` (NaN and ±inf values).
+zero on every row of the step) and ``/nonfinite`` (NaN and ±inf values), sent to every
+logger at that step (and into ``trainer.callback_metrics``).
 
 A NaN or inf in a watched forward or backward is traced to the first place it appeared:
 the first key in the forward's execution order that has one, else, for gradients, the
@@ -225,8 +226,11 @@ class ActivationMonitor(pl.Callback):
             for key, found in figures.items()
             for name, value in found.scalars().items()
         }
-        for name, value in logged.items():
-            pl_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False)
+        for logger in trainer.loggers:  # at the watched step only, in float64 (pl_module.log
+            logger.log_metrics(logged, step=step)  # would repeat it until the epoch ends)
+        trainer.callback_metrics.update(  # for EarlyStopping and ModelCheckpoint
+            {name: torch.tensor(value, dtype=torch.float64) for name, value in logged.items()}
+        )
         self.last_values = logged
         self.history.append((step, logged))
         if self.histograms:

@@ -271,3 +271,19 @@ def test_a_nan_made_in_a_backward_is_traced_in_the_backward_order() -> None:
     assert logged["health/last/grad_outputs/nonfinite"] == 0
     assert logged["health/first/grad_outputs/nonfinite"] == 12  # upstream of mid too
     assert all(logged[f"health/{m}/outputs/nonfinite"] == 0 for m in ("first", "mid", "bad"))
+
+
+def test_moments_merge_exactly_with_a_large_mean() -> None:
+    """Centred sums, combined pairwise: a mean of 1e4 against a spread of 1 costs no digits
+    (raw power sums would cancel to nothing in the kurtosis)."""
+    from lightning_iocatch.probes.health import merge_statistics
+
+    generator = torch.Generator().manual_seed(5)
+    parts = [
+        1e4 + torch.randn(40 + 9 * i, 6, generator=generator, dtype=torch.float64) for i in range(4)
+    ]
+    vectors = torch.stack([health_statistics(part) for part in parts])
+    got = HealthFigures.of(merge_statistics(vectors)).scalars()
+    expected = numpy_figures(np.concatenate([part.numpy() for part in parts]))
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, rel=1e-9), name

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers bench-atp bench-atp-cost test-peers-atp clean
+.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers bench-atp bench-atp-cost test-peers-atp bench-health clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -108,6 +108,13 @@ test-peers-atp: $(ATP_VENV)/bin/.installed
 # hand-written hook pass in the same run.
 bench-atp-cost: venv
 	$(BIN)/python benchmarks/attribution.py
+
+# ActivationMonitor on the 12-block model in Trainer.fit against the same training without it:
+# a watched step, an unwatched one, and the average of a run watched every 50 steps, also
+# measured over 100-step runs (--direct). One thread and the CPU clock: steadier on a shared
+# machine. About 12 minutes on 2 cores.
+bench-health: venv
+	$(BIN)/python benchmarks/health.py --threads 1 --clock cpu --direct
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .ruff_cache site .site-check

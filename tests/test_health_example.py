@@ -40,7 +40,7 @@ def figures(values: np.ndarray) -> dict[str, float]:
         "rms": math.sqrt((finite**2).mean()),
         "absmax": np.abs(finite).max(),
         "kurtosis": (centered**4).mean() / (centered**2).mean() ** 2,
-        "dead_frac": float(((values != 0).sum(0) == 0).mean()),
+        "dead_frac": float((((values != 0) & np.isfinite(values)).sum(0) == 0).mean()),
         "nonfinite": float((~np.isfinite(values)).sum()),
     }
 

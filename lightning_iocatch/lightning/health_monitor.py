@@ -36,12 +36,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
-from lightning_iocatch.capture.keys import flatten_captures
+from lightning_iocatch.capture.keys import entry_prefix, flatten_captures
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.capture.transform import Site
 from lightning_iocatch.probes.health import (
     EDGES,
+    HEAD,
     HealthFigures,
     health_statistics,
     merge_statistics,
@@ -61,10 +62,12 @@ class _Statistics:
 
     def __init__(self, rows: torch.Tensor | None, histogram: bool) -> None:
         self.rows, self.histogram = rows, histogram
-        self.order: list[tuple[str, str]] = []
+        self.order: list[str] = []  # the keys' prefixes, in the order captured
 
     def capture(self, tensor: torch.Tensor, site: Site) -> torch.Tensor:
-        self.order.append((site.module, site.kind))
+        prefix = entry_prefix(site.module, site.kind, site.call)  # as the flat keys begin
+        if prefix not in self.order:
+            self.order.append(prefix)
         if not tensor.is_floating_point():
             return tensor.new_zeros(0, dtype=torch.float64)  # nothing to watch
         rows = self.rows if masks(tensor, self.rows) else None
@@ -88,6 +91,34 @@ def _log_histograms(
                 sum=found.sums[0], sum_squares=found.sums[1], bucket_limits=limits,
                 bucket_counts=list(found.histogram), global_step=step,
             )  # fmt: skip
+
+
+def _agreed_widths(trainer: pl.Trainer, widths: list[int]) -> list[int]:
+    """Each key's vector width every process agrees on: a key whose per-unit part differs
+    (between processes, as a last dimension of sequence length would) keeps its head and
+    histogram only. Ranks that watched other keys are refused clearly, not left waiting in
+    a collective of unequal sizes."""
+    if trainer.world_size == 1:
+        return widths
+    strategy = trainer.strategy
+    counts = strategy.all_gather(torch.tensor([len(widths)], device=strategy.root_device))
+    if len(set(counts.reshape(-1).tolist())) > 1:
+        raise RuntimeError(
+            "ActivationMonitor: the processes watched different values in this step "
+            f"({counts.reshape(-1).tolist()} keys): a watched module ran on some processes "
+            "only; watch modules every process runs"
+        )
+    every = strategy.all_gather(torch.tensor(widths, device=strategy.root_device))
+    every = every.reshape(trainer.world_size, -1)
+    return [
+        int(w) if (column == w).all() else 0
+        for w, column in zip(widths, every.T.cpu(), strict=True)
+    ]
+
+
+def _cut(vector: torch.Tensor, width: int, head: int) -> torch.Tensor:
+    """``vector`` with its per-unit part (after ``head``) dropped where widths differ."""
+    return vector if width else vector[:head]
 
 
 class ActivationMonitor(pl.Callback):
@@ -139,7 +170,8 @@ class ActivationMonitor(pl.Callback):
         self._transform: _Statistics | None = None
         self._step = -1  # the optimizer step being watched
         self._vectors: dict[str, torch.Tensor] = {}  # flat key -> merged statistics
-        self._order: list[tuple[str, str]] = []
+        self._order: list[str] = []
+        self._rank = 0
         self._batch_indices: list[int] = []
 
     def watches(self, step: int) -> bool:
@@ -147,6 +179,8 @@ class ActivationMonitor(pl.Callback):
         return step % self.every_n_steps == 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._forget()  # nothing of an earlier fit that stopped halfway
+        self._rank = trainer.global_rank
         self._catcher = ModelIOCatcher(pl_module, None)
         self._catcher.from_spec(self.spec)  # the names are checked before the first step
 
@@ -182,6 +216,8 @@ class ActivationMonitor(pl.Callback):
             if vector.numel() == 0:
                 continue
             held = self._vectors.get(key)
+            if held is not None and held.shape != vector.shape:  # the units' width changed
+                held, vector = held[: self._head()], vector[: self._head()]  # no dead_frac
             self._vectors[key] = (
                 vector if held is None else merge_statistics(torch.stack([held, vector]))
             )
@@ -200,6 +236,16 @@ class ActivationMonitor(pl.Callback):
         session, self._session = self._session, None
         if session is not None:
             session.close()
+        self._forget()
+
+    def _head(self) -> int:
+        """The length of a statistics vector before its per-unit part."""
+        return HEAD + (len(EDGES) + 1 if self.histograms else 0)
+
+    def _forget(self) -> None:
+        """Drop a step's statistics not logged yet (a fit stopped in the middle of it)."""
+        self._step, self._vectors, self._order, self._batch_indices = -1, {}, [], []
+        self._session, self._transform = None, None
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Gather the step's statistics from every process (one collective), log them,
@@ -208,11 +254,14 @@ class ActivationMonitor(pl.Callback):
         vectors, self._vectors = self._vectors, {}
         order, self._order = self._order, []
         indices, self._batch_indices = self._batch_indices, []
+        keys = sorted(vectors)
+        widths = _agreed_widths(trainer, [len(vectors[key]) for key in keys])
+        head = self._head()
+        vectors = {key: _cut(vectors[key], w, head) for key, w in zip(keys, widths, strict=True)}
         if not vectors:
             return
-        keys = sorted(vectors)
         flat = torch.cat([vectors[key] for key in keys])
-        several = trainer.world_size > 1  # then one collective: [world, length]
+        several = trainer.world_size > 1  # then one collective of the statistics
         gathered = trainer.strategy.all_gather(flat) if several else flat[None]
         figures: dict[str, HealthFigures] = {}
         start = 0
@@ -235,35 +284,43 @@ class ActivationMonitor(pl.Callback):
         self.history.append((step, logged))
         if self.histograms:
             _log_histograms(trainer, self.prefix, figures, step)
-        self._trace_nonfinite(step, figures, order, indices)
+        self._trace_nonfinite(step, figures, order, indices, gathered, keys, vectors)
 
     def _trace_nonfinite(
         self,
         step: int,
         figures: dict[str, HealthFigures],
-        order: list[tuple[str, str]],
+        order: list[str],
         indices: list[int],
+        gathered: torch.Tensor,
+        keys: list[str],
+        vectors: dict[str, torch.Tensor],
     ) -> None:
         bad = [key for key, found in figures.items() if found.nan or found.inf]
         if not bad:
             return
-        forward = [place for place in order if not place[1].startswith("grad_")]
-        backward = [place for place in reversed(order) if place[1].startswith("grad_")]
+        forward = [prefix for prefix in order if "/grad_" not in prefix]
+        backward = [prefix for prefix in reversed(order) if "/grad_" in prefix]
         first = next(
             (
                 key
-                for module, kind in [*forward, *backward]
+                for prefix in [*forward, *backward]
                 for key in bad
-                if key.split("/")[0] == module and key.split("/")[1].split("@")[0] == kind
+                if key == prefix or key.startswith(prefix + "/")
             ),
             bad[0],
         )
+        start = sum(len(vectors[key]) for key in keys[: keys.index(first)])
+        per_rank = gathered[:, start + 6 : start + 8].sum(1)  # NaN and inf of each process
+        ranks = [rank for rank, count in enumerate(per_rank.tolist()) if count]
         found = figures[first]
         message = (
             f"ActivationMonitor: at step {step}, the first non-finite value of the watched "
-            f"forward and backward is in {first!r} ({found.nan} NaN, {found.inf} inf)"
+            f"forward and backward is in {first!r} ({found.nan} NaN, {found.inf} inf; "
+            f"process {', '.join(map(str, ranks))})"
         )
-        self.nonfinite.append({"step": step, "key": first, "indices": indices or None})
+        mine = indices if self._rank in ranks else []
+        self.nonfinite.append({"step": step, "key": first, "ranks": ranks, "indices": mine or None})
         if self.on_nonfinite == "raise":
             raise NonFiniteError(message)
         rank_zero_warn(message)

@@ -67,7 +67,7 @@ def health_statistics(
             torch.isinf(values).sum().double(),
         ]
     )
-    nonzero = (values != 0).sum(0).double()
+    nonzero = ((values != 0) & finite).sum(0).double()  # a NaN is not activity
     if not histogram:
         return torch.cat([head, nonzero])
     edges = torch.tensor(EDGES, dtype=torch.float64, device=values.device)
@@ -100,8 +100,8 @@ def _combined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     na, ma, a2, a3, a4 = a.unbind()
     nb, mb, b2, b3, b4 = b.unbind()
     n = na + nb
-    if float(n) == 0:
-        return a.clone()
+    empty = n == 0
+    n = torch.where(empty, torch.ones_like(n), n)  # no host sync: both parts empty -> a
     d = mb - ma
     m = ma + d * nb / n
     m2 = a2 + b2 + d**2 * na * nb / n
@@ -112,7 +112,7 @@ def _combined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         + 6 * d**2 * (na**2 * b2 + nb**2 * a2) / n**2
         + 4 * d * (na * b3 - nb * a3) / n
     )  # fmt: skip
-    return torch.stack([n, m, m2, m3, m4])
+    return torch.where(empty, a, torch.stack([na + nb, m, m2, m3, m4]))
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,12 @@ def test_the_first_nonfinite_value_is_traced_to_its_module_and_step() -> None:
                          callbacks=[monitor])  # fmt: skip
     with pytest.warns(UserWarning, match=r"step 2.*'bad/outputs'"):
         trainer.fit(Net(at=2), DataLoader(data, batch_size=3))
-    assert monitor.nonfinite[0] == {"step": 2, "key": "bad/outputs", "indices": [6, 7, 8]}
+    assert monitor.nonfinite[0] == {
+        "step": 2,
+        "key": "bad/outputs",
+        "ranks": [0],
+        "indices": [6, 7, 8],
+    }
     assert monitor.history[1][1]["health/bad/outputs/nonfinite"] == 0
     assert monitor.history[2][1]["health/last/outputs/nonfinite"] == 3  # after it: NaN too
     raising = ActivationMonitor("outputs[first|bad|last]", every_n_steps=1, on_nonfinite="raise")

@@ -60,6 +60,7 @@ from lightning_iocatch.capture.transform import Kind
 
 __all__ = [
     "CONVENTIONS",
+    "RUNS",
     "Attribution",
     "Component",
     "attribution_patching",
@@ -72,7 +73,8 @@ CONVENTIONS = ("denoising", "noising")
 """The two conventions of attribution patching: which run is patched."""
 
 Metric = Callable[[Any], torch.Tensor]
-_RUNS = {"denoising": ("corrupted", "clean"), "noising": ("clean", "corrupted")}  # base, source
+RUNS = {"denoising": ("corrupted", "clean"), "noising": ("clean", "corrupted")}
+"""Each convention's ``(base, source)``: the run patched, and the run its values come from."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,7 @@ def attribution_patching(
             )
     scores: dict[str, dict[str, torch.Tensor]] = {}
     for convention in wanted:
-        base, source = _RUNS[convention]
+        base, source = RUNS[convention]
         scores[convention] = {}
         for component in found:
             key = component.key

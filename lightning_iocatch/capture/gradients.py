@@ -60,10 +60,7 @@ from lightning_iocatch.capture.snapshots import map_tensors
 from lightning_iocatch.capture.transform import Kind
 from lightning_iocatch.errors import CaptureError
 
-__all__ = ["GRADIENT_KINDS", "GradientSites", "recording_gradients"]
-
-GRADIENT_KINDS: tuple[Kind, Kind] = ("grad_inputs", "grad_outputs")
-"""The kinds of a spec that capture gradients; ``grad_X`` is the gradient of kind ``X``."""
+__all__ = ["GradientSites", "recording_gradients"]
 
 Part = Callable[[Any], torch.Tensor]
 """Picks one tensor of a value as captures hold it (inputs: ``{"args", "kwargs"}``)."""

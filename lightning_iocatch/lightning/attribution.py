@@ -43,6 +43,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_iocatch.capture.attribution import (
     CONVENTIONS,
+    RUNS,
     Component,
     attribution_patching,
     components,
@@ -57,12 +58,12 @@ from lightning_iocatch.lightning.effect_terms import (
     default_forward,
     default_output,
     next_token_loss,
+    ratio,
 )
 
 __all__ = ["AttributionPatching", "corrupted_fields"]
 
 _WHICH = ("clean", "corrupted")
-_RUNS = {"denoising": ("corrupted", "clean"), "noising": ("clean", "corrupted")}  # base, source
 LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
@@ -287,7 +288,7 @@ class AttributionPatching(pl.Callback):
         changes = {}
         with catcher.coordinator.apart(catcher.root):
             for convention in self.conventions:
-                base, source = _RUNS[convention]
+                base, source = RUNS[convention]
                 for key in self.exact:
                     value = values[source][key]
                     patched = patched_metric(catcher, known[key], run, runs[base], value)
@@ -321,21 +322,21 @@ class AttributionPatching(pl.Callback):
     ) -> None:  # fmt: skip
         terms = {which: float(sums[f"terms/{which}"]) for which in _WHICH}
         values = {
-            f"{self.prefix}/{w}/loss{suffix}": _ratio(float(sums[f"loss/{w}"]), terms[w])
+            f"{self.prefix}/{w}/loss{suffix}": ratio(float(sums[f"loss/{w}"]), terms[w])
             for w in _WHICH
         }
         for convention in self.conventions:
-            base_terms = terms[_RUNS[convention][0]]
+            base_terms = terms[RUNS[convention][0]]
             if keep_scores:
                 self.scores[convention] = {
                     c.key: sums[f"{convention}/{c.key}"] / base_terms for c in self._components
                 }
             for c in self._components:
                 total = float(sums[f"{convention}/{c.key}"].sum())
-                values[f"{self.prefix}/{convention}/{c.key}{suffix}"] = _ratio(total, base_terms)
+                values[f"{self.prefix}/{convention}/{c.key}{suffix}"] = ratio(total, base_terms)
             for key in self.exact:
                 name = f"{self.prefix}/exact/{convention}/{key}{suffix}"
-                values[name] = _ratio(float(sums[f"exact/{convention}/{key}"]), base_terms)
+                values[name] = ratio(float(sums[f"exact/{convention}/{key}"]), base_terms)
         for name, value in values.items():
             self.last_values[name] = value
             logged = torch.tensor(value, dtype=torch.float64, device=pl_module.device)
@@ -393,7 +394,3 @@ def _synced(
             value = torch.cat([value, pad])
         synced[name] = strategy.reduce(value, reduce_op="sum").cpu()
     return synced
-
-
-def _ratio(numerator: float, denominator: float) -> float:
-    return numerator / denominator if denominator else float("nan")

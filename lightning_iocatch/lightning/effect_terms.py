@@ -6,6 +6,7 @@ default (:func:`default_forward`, :func:`default_output`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "default_output",
     "kl_per_sample",
     "next_token_loss",
+    "ratio",
 ]
 
 _CHUNK = 256  # positions turned into float64 [positions, vocab] at once
@@ -139,6 +141,17 @@ def call_forward(
             f"{owner}(..., forward=lambda module, batch: module(batch), "
             "output=lambda out: out.logits)"
         ) from error
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``; NaN where the denominator is 0 (no terms, or a baseline
+    whose loss is the clean loss).
+
+    Examples:
+        >>> ratio(3.0, 2.0), ratio(1.0, 0.0)
+        (1.5, nan)
+    """
+    return numerator / denominator if denominator else math.nan
 
 
 def default_output(output: Any) -> torch.Tensor:

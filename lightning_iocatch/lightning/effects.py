@@ -41,7 +41,6 @@ Examples:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -62,6 +61,7 @@ from lightning_iocatch.lightning.effect_terms import (
     default_output,
     kl_per_sample,
     next_token_loss,
+    ratio,
 )
 
 __all__ = ["InterventionEffects", "kl_per_sample", "next_token_loss"]
@@ -278,16 +278,16 @@ class InterventionEffects(pl.Callback):
         for loader in loaders:
             suffix = f"/dataloader_idx_{loader}" if several else ""
             sums = _sum_in_order(rows[rows[:, 0] == loader, _KEYS:])
-            values = {f"{self.prefix}/{CLEAN}/loss{suffix}": _ratio(sums[0], sums[1])}
+            values = {f"{self.prefix}/{CLEAN}/loss{suffix}": ratio(sums[0], sums[1])}
             for k, name in enumerate(self.variants):
                 at = 2 + 4 * k
-                values[f"{self.prefix}/{name}/loss{suffix}"] = _ratio(sums[at], sums[at + 1])
-                values[f"{self.prefix}/{name}/kl{suffix}"] = _ratio(sums[at + 2], sums[at + 3])
+                values[f"{self.prefix}/{name}/loss{suffix}"] = ratio(sums[at], sums[at + 1])
+                values[f"{self.prefix}/{name}/kl{suffix}"] = ratio(sums[at + 2], sums[at + 3])
             for name, baseline in self.recovered.items():
                 base = values[f"{self.prefix}/{baseline}/loss{suffix}"]
                 spliced = values[f"{self.prefix}/{name}/loss{suffix}"]
                 clean = values[f"{self.prefix}/{CLEAN}/loss{suffix}"]
-                values[f"{self.prefix}/{name}/loss_recovered{suffix}"] = _ratio(
+                values[f"{self.prefix}/{name}/loss_recovered{suffix}"] = ratio(
                     base - spliced, base - clean
                 )
             for key, value in values.items():
@@ -312,12 +312,6 @@ def in_sample_order(rows: torch.Tensor) -> torch.Tensor:
     again = torch.zeros(len(rows), dtype=torch.bool)
     again[1:] = (rows[1:, :_KEYS] == rows[:-1, :_KEYS]).all(1) & (rows[1:, 1] < 0)
     return rows[~again]
-
-
-def _ratio(numerator: float, denominator: float) -> float:
-    """``numerator / denominator``; NaN where the denominator is 0 (no terms, or a baseline
-    whose loss is the clean loss)."""
-    return numerator / denominator if denominator else math.nan
 
 
 def _gathered(trainer: pl.Trainer, rows: torch.Tensor) -> torch.Tensor:

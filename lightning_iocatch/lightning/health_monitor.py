@@ -309,11 +309,12 @@ class ActivationMonitor(pl.Callback):
         flat = self._layout.pack(vectors, strategy.root_device)
         gathered = strategy.all_gather(flat) if several else flat
         gathered = gathered.reshape(max(trainer.world_size, 1), -1).cpu()  # the figures
-        if self._layout.any_unknown(gathered):
+        blocks = self._layout.unpack(gathered)
+        if self._layout.any_unknown(gathered):  # a process saw a key the layout lacks
             self._layout.forget()
         figures: dict[str, HealthFigures] = {}
         parts: dict[str, torch.Tensor] = {}
-        for key, (part, units_valid) in self._layout.unpack(gathered).items():
+        for key, (part, units_valid) in blocks.items():
             merged = merge_statistics(part)
             found = HealthFigures.of(
                 merged if units_valid else merged[: self._head()], self.histograms

@@ -40,6 +40,7 @@ from lightning_iocatch.capture.keys import entry_prefix, flatten_captures
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.capture.transform import Site
+from lightning_iocatch.lightning.health_histograms import log_histograms
 from lightning_iocatch.lightning.health_layout import HealthLayout
 from lightning_iocatch.probes.health import (
     EDGES,
@@ -93,25 +94,6 @@ def _unscaled_statistics(
     return torch.cat([vector[:HEAD] / divisor, vector[HEAD:]])
 
 
-def _log_histograms(
-    trainer: pl.Trainer, prefix: str, figures: dict[str, HealthFigures], step: int
-) -> None:
-    """Each key's histogram of ``|x|`` to every logger that takes raw histograms."""
-    for logger in trainer.loggers:
-        add = getattr(getattr(logger, "experiment", None), "add_histogram_raw", None)
-        if not callable(add):
-            continue
-        for key, found in figures.items():
-            if not found.count:
-                continue
-            limits = [*EDGES, max(found.absmax, EDGES[-1]) * 10]  # the last: above the edges
-            add(
-                tag=f"{prefix}/{key}/abs", min=0.0, max=found.absmax, num=found.count,
-                sum=found.sums[0], sum_squares=found.sums[1], bucket_limits=limits,
-                bucket_counts=list(found.histogram), global_step=step,
-            )  # fmt: skip
-
-
 class ActivationMonitor(pl.Callback):
     """Watch the modules of ``spec`` during training every ``every_n_steps`` steps.
 
@@ -125,8 +107,8 @@ class ActivationMonitor(pl.Callback):
         indices: ``indices(batch)`` -> the batch's dataset indices, kept with a
             non-finite value.
         histograms: also a histogram of ``|x|`` per key (4 bins a decade, ``1e-6`` to
-            ``1e3``), logged as ``{prefix}/{key}/abs`` by the loggers that take raw
-            histograms (Lightning's ``TensorBoardLogger``).
+            ``1e3``), logged as ``{prefix}/{key}/abs`` by the loggers that take
+            histograms (Lightning's ``TensorBoardLogger`` and ``WandbLogger``).
         prefix: of the logged names.
         history_size: the watched steps :attr:`history` keeps (the oldest dropped first).
 
@@ -341,7 +323,7 @@ class ActivationMonitor(pl.Callback):
         self.history.append((step, logged))
         del self.history[: -self.history_size]
         if self.histograms:
-            _log_histograms(trainer, self.prefix, figures, step)
+            log_histograms(trainer, self.prefix, figures, step)
         if bad and not overflow:
             self._trace_nonfinite(step, figures, bad, order, indices, parts)
 

@@ -31,7 +31,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_iocatch.lightning.health_layout import HealthLayout
 from lightning_iocatch.lightning.health_monitor import ActivationMonitor
+from lightning_iocatch.probes.health import (
+    HEAD,
+    HealthFigures,
+    health_statistics,
+    merge_statistics,
+)
 from tests.conftest import run_script
 from tests.lightning.health_truth import BLOCKS, Recorder, Regression, dataset, figures, trainer
 
@@ -154,6 +161,49 @@ def test_one_collective_a_watched_step_and_the_figures_of_both_processes(tmp_pat
 
 
 FIGURE_NAMES = ("mean", "rms", "absmax", "kurtosis", "dead_frac", "nonfinite")
+
+
+def test_a_width_changed_on_one_process_leaves_out_only_its_dead_fraction() -> None:
+    """Two processes' packs stacked as the gather would: process 1's ``a`` is 2 wide where
+    the layout agreed on 3, process 0 did not see ``b``. Fast, without processes."""
+    generator = torch.Generator().manual_seed(2)
+    a0 = torch.relu(torch.randn(4, 3, generator=generator, dtype=torch.float64))
+    a0[:, 1] = 0  # dead on process 0 only: the merged dead fraction would be wrong
+    a1 = torch.randn(5, 2, generator=generator, dtype=torch.float64)
+    b1 = torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    layouts = [HealthLayout(HEAD), HealthLayout(HEAD)]
+    for layout in layouts:  # as agreed on an earlier step
+        layout.widths = {"a": 3, "b": 4}
+    packs = [
+        layouts[0].pack({"a": health_statistics(a0)}),
+        layouts[1].pack({"a": health_statistics(a1), "b": health_statistics(b1)}),
+    ]
+    gathered = torch.stack(packs)
+    assert not HealthLayout.any_unknown(gathered)
+    blocks = layouts[0].unpack(gathered)
+    (part_a, valid_a), (part_b, valid_b) = blocks["a"], blocks["b"]
+    assert (valid_a, valid_b) == (False, True)
+    found_a = HealthFigures.of(merge_statistics(part_a)[:HEAD]).scalars()
+    truth_a = figures([a0.numpy().reshape(-1, 1), a1.numpy().reshape(-1, 1)])
+    for name in ("mean", "rms", "absmax", "kurtosis", "nonfinite"):
+        assert found_a[name] == pytest.approx(truth_a[name], rel=1e-12), name
+    assert math.isnan(found_a["dead_frac"])
+    found_b = HealthFigures.of(merge_statistics(part_b)).scalars()  # process 0's zeros: nothing
+    for name, value in figures([b1.numpy()]).items():
+        assert found_b[name] == pytest.approx(value, rel=1e-12), name
+
+
+def test_a_key_the_layout_lacks_is_warned_about_once_and_flagged() -> None:
+    layout = HealthLayout(HEAD)
+    layout.widths = {"a": 2}
+    vectors = {"a": health_statistics(torch.ones(2, 2)), "new": health_statistics(torch.ones(1))}
+    with pytest.warns(UserWarning, match=r"'new'.*agree again on the next watched step"):
+        first = layout.pack(vectors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        layout.pack(vectors)
+    assert HealthLayout.any_unknown(first[None]) and first[-1] == 1
+    assert len(first) == HEAD + 2 + 1 + 1  # a's block and its flag, then the count
 
 
 if __name__ == "__main__":

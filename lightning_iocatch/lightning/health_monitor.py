@@ -1,17 +1,20 @@
 """ActivationMonitor: the health of watched modules during ``fit``, every N steps, cheaply.
 
-On the first optimizer step and every ``every_n_steps`` after it, the monitor opens a
-capture session on the LightningModule for that step's batches (every micro-batch of a
-step under gradient accumulation) and closes it at the step's end: between watched steps
-nothing is registered. Each captured tensor of the spec (``outputs[...]``, ``inputs[...]``,
-and the gradients ``grad_outputs[...]``, ``grad_inputs[...]``, taken in the training
-step's own backward) is reduced on its device to a small statistics vector
+On the first optimizer step of a fit (a resumed one's too) and every ``every_n_steps``-th
+step (0, N, 2N, ...), the monitor opens a capture session on the LightningModule for that
+step's batches (every micro-batch of a step under gradient accumulation) and closes it at
+the step's end: between watched steps nothing is registered. Each captured tensor of the
+spec (``outputs[...]``, ``inputs[...]``, and the gradients ``grad_outputs[...]``,
+``grad_inputs[...]``, taken in the training step's own backward; under a GradScaler
+divided by its scale) is reduced on its device to a small statistics vector
 (:func:`~lightning_iocatch.probes.health.health_statistics`, real tokens only where the
 batch has an ``attention_mask``); at the step's end the vectors of every process are
-gathered in one collective, merged, and logged through Lightning for each flat key
-``k``: ``{prefix}/{k}/mean``, ``/rms``, ``/absmax``, ``/kurtosis``, ``/dead_frac`` (units
-zero on every row of the step) and ``/nonfinite`` (NaN and ±inf values), sent to every
-logger at that step (and into ``trainer.callback_metrics``).
+gathered in one collective (in the layout of
+:mod:`~lightning_iocatch.lightning.health_layout`, agreed once), merged, and logged
+through Lightning for each flat key ``k``: ``{prefix}/{k}/mean``, ``/rms``, ``/absmax``,
+``/kurtosis``, ``/dead_frac`` (units zero on every row of the step) and ``/nonfinite``
+(NaN and ±inf values), sent to every logger at that step (and into
+``trainer.callback_metrics``).
 
 A NaN or inf in a watched forward or backward is traced to the first place it appeared:
 the first key in the forward's execution order that has one, else, for gradients, the

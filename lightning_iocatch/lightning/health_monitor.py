@@ -1,17 +1,20 @@
 """ActivationMonitor: the health of watched modules during ``fit``, every N steps, cheaply.
 
-On the first optimizer step and every ``every_n_steps`` after it, the monitor opens a
-capture session on the LightningModule for that step's batches (every micro-batch of a
-step under gradient accumulation) and closes it at the step's end: between watched steps
-nothing is registered. Each captured tensor of the spec (``outputs[...]``, ``inputs[...]``,
-and the gradients ``grad_outputs[...]``, ``grad_inputs[...]``, taken in the training
-step's own backward) is reduced on its device to a small statistics vector
+On the first optimizer step of a fit (a resumed one's too) and every ``every_n_steps``-th
+step (0, N, 2N, ...), the monitor opens a capture session on the LightningModule for that
+step's batches (every micro-batch of a step under gradient accumulation) and closes it at
+the step's end: between watched steps nothing is registered. Each captured tensor of the
+spec (``outputs[...]``, ``inputs[...]``, and the gradients ``grad_outputs[...]``,
+``grad_inputs[...]``, taken in the training step's own backward; under a GradScaler
+divided by its scale) is reduced on its device to a small statistics vector
 (:func:`~lightning_iocatch.probes.health.health_statistics`, real tokens only where the
 batch has an ``attention_mask``); at the step's end the vectors of every process are
-gathered in one collective, merged, and logged through Lightning for each flat key
-``k``: ``{prefix}/{k}/mean``, ``/rms``, ``/absmax``, ``/kurtosis``, ``/dead_frac`` (units
-zero on every row of the step) and ``/nonfinite`` (NaN and ±inf values), sent to every
-logger at that step (and into ``trainer.callback_metrics``).
+gathered in one collective (in the layout of
+:mod:`~lightning_iocatch.lightning.health_layout`, agreed once), merged, and logged
+through Lightning for each flat key ``k``: ``{prefix}/{k}/mean``, ``/rms``, ``/absmax``,
+``/kurtosis``, ``/dead_frac`` (units zero on every row of the step) and ``/nonfinite``
+(NaN and ±inf values), sent to every logger at that step (and into
+``trainer.callback_metrics``).
 
 A NaN or inf in a watched forward or backward is traced to the first place it appeared:
 the first key in the forward's execution order that has one, else, for gradients, the
@@ -40,6 +43,8 @@ from lightning_iocatch.capture.keys import entry_prefix, flatten_captures
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.capture.transform import Site
+from lightning_iocatch.lightning.health_histograms import log_histograms
+from lightning_iocatch.lightning.health_layout import HealthLayout
 from lightning_iocatch.probes.health import (
     EDGES,
     HEAD,
@@ -63,6 +68,7 @@ class _Statistics:
     def __init__(self, rows: torch.Tensor | None, histogram: bool) -> None:
         self.rows, self.histogram = rows, histogram
         self.order: list[str] = []  # the keys' prefixes, in the order captured
+        self.scale: torch.Tensor | None = None  # a GradScaler's scale of this backward
 
     def capture(self, tensor: torch.Tensor, site: Site) -> torch.Tensor:
         prefix = entry_prefix(site.module, site.kind, site.call)  # as the flat keys begin
@@ -71,54 +77,24 @@ class _Statistics:
         if not tensor.is_floating_point():
             return tensor.new_zeros(0, dtype=torch.float64)  # nothing to watch
         rows = self.rows if masks(tensor, self.rows) else None
-        return health_statistics(tensor, rows, self.histogram)
+        if self.scale is None or not site.kind.startswith("grad_"):
+            return health_statistics(tensor, rows, self.histogram)
+        return _unscaled_statistics(tensor, rows, self.histogram, self.scale)
 
 
-def _log_histograms(
-    trainer: pl.Trainer, prefix: str, figures: dict[str, HealthFigures], step: int
-) -> None:
-    """Each key's histogram of ``|x|`` to every logger that takes raw histograms."""
-    for logger in trainer.loggers:
-        add = getattr(getattr(logger, "experiment", None), "add_histogram_raw", None)
-        if not callable(add):
-            continue
-        for key, found in figures.items():
-            if not found.count:
-                continue
-            limits = [*EDGES, max(found.absmax, EDGES[-1]) * 10]  # the last: above the edges
-            add(
-                tag=f"{prefix}/{key}/abs", min=0.0, max=found.absmax, num=found.count,
-                sum=found.sums[0], sum_squares=found.sums[1], bucket_limits=limits,
-                bucket_counts=list(found.histogram), global_step=step,
-            )  # fmt: skip
-
-
-def _agreed_widths(trainer: pl.Trainer, widths: list[int]) -> list[int]:
-    """Each key's vector width every process agrees on: a key whose per-unit part differs
-    (between processes, as a last dimension of sequence length would) keeps its head and
-    histogram only. Ranks that watched other keys are refused clearly, not left waiting in
-    a collective of unequal sizes."""
-    if trainer.world_size == 1:
-        return widths
-    strategy = trainer.strategy
-    counts = strategy.all_gather(torch.tensor([len(widths)], device=strategy.root_device))
-    if len(set(counts.reshape(-1).tolist())) > 1:
-        raise RuntimeError(
-            "ActivationMonitor: the processes watched different values in this step "
-            f"({counts.reshape(-1).tolist()} keys): a watched module ran on some processes "
-            "only; watch modules every process runs"
-        )
-    every = strategy.all_gather(torch.tensor(widths, device=strategy.root_device))
-    every = every.reshape(trainer.world_size, -1)
-    return [
-        int(w) if (column == w).all() else 0
-        for w, column in zip(widths, every.T.cpu(), strict=True)
-    ]
-
-
-def _cut(vector: torch.Tensor, width: int, head: int) -> torch.Tensor:
-    """``vector`` with its per-unit part (after ``head``) dropped where widths differ."""
-    return vector if width else vector[:head]
+def _unscaled_statistics(
+    tensor: torch.Tensor, rows: torch.Tensor | None, histogram: bool, scale: torch.Tensor
+) -> torch.Tensor:
+    """The statistics of a gradient taken in a backward of a loss multiplied by ``scale``
+    (a GradScaler's), as those of the true gradient, on the device: the moments divided by
+    the scale's powers, the counts unchanged (a histogram needs the values themselves)."""
+    scale = scale.to(tensor.device, torch.float64)
+    if histogram:
+        return health_statistics(tensor.double() / scale, rows, histogram)
+    vector = health_statistics(tensor, rows, histogram)
+    one = torch.ones_like(scale)
+    divisor = torch.cat([one, scale, scale**2, scale**3, scale**4, scale, one, one])
+    return torch.cat([vector[:HEAD] / divisor, vector[HEAD:]])
 
 
 class ActivationMonitor(pl.Callback):
@@ -134,9 +110,20 @@ class ActivationMonitor(pl.Callback):
         indices: ``indices(batch)`` -> the batch's dataset indices, kept with a
             non-finite value.
         histograms: also a histogram of ``|x|`` per key (4 bins a decade, ``1e-6`` to
-            ``1e3``), logged as ``{prefix}/{key}/abs`` by the loggers that take raw
-            histograms (Lightning's ``TensorBoardLogger``).
+            ``1e3``), logged as ``{prefix}/{key}/abs`` by the loggers that take
+            histograms (Lightning's ``TensorBoardLogger`` and ``WandbLogger``).
         prefix: of the logged names.
+        history_size: the watched steps :attr:`history` keeps (the oldest dropped first).
+
+    :attr:`history` (``(step, {name: value})`` of the watched steps) and :attr:`nonfinite`
+    are kept in Lightning's checkpoints: a fit resumed with ``ckpt_path=`` continues them.
+    The first step of every fit is watched, a resumed one's too.
+
+    Under ``precision="16-mixed"`` the gradients seen in the backward are those of the loss
+    multiplied by the GradScaler's scale: their statistics are divided by the scale of that
+    backward, so the figures are those of the true gradients. Non-finite values in the
+    gradients alone are then an overflow, which the scaler skips: they are logged
+    (``{prefix}/grad_overflow`` is 1) and not traced or raised.
     """
 
     def __init__(
@@ -149,6 +136,7 @@ class ActivationMonitor(pl.Callback):
         indices: Callable[[Any], Sequence[int]] | None = None,
         histograms: bool = False,
         prefix: str = "health",
+        history_size: int = 1000,
     ) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"`every_n_steps` must be a positive integer, got {every_n_steps!r}")
@@ -156,12 +144,14 @@ class ActivationMonitor(pl.Callback):
             raise ValueError(f"`on_nonfinite` must be 'warn' or 'raise', got {on_nonfinite!r}")
         if tokens not in ("attention_mask", None):
             raise ValueError(f"`tokens` must be 'attention_mask' or None, got {tokens!r}")
+        if not isinstance(history_size, int) or history_size < 1:
+            raise ValueError(f"`history_size` must be a positive integer, got {history_size!r}")
         self.spec = CaptureSpec.parse(spec)
         if self.spec.is_empty:
             raise ValueError(f"the spec {spec!r} watches nothing")
         self.every_n_steps, self.tokens = every_n_steps, tokens
         self.on_nonfinite, self.indices, self.prefix = on_nonfinite, indices, prefix
-        self.histograms = histograms
+        self.histograms, self.history_size = histograms, history_size
         self.last_values: dict[str, float] = {}
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, its figures)
         self.nonfinite: list[dict[str, Any]] = []
@@ -173,6 +163,28 @@ class ActivationMonitor(pl.Callback):
         self._order: list[str] = []
         self._rank = 0
         self._batch_indices: list[int] = []
+        self._first: int | None = None  # the first step of this fit
+        self._scaled = False  # a GradScaler scaled this step's backward
+        self._layout = HealthLayout(self._head())
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(spec=str(self.spec), prefix=self.prefix)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history and the non-finite records, for Lightning's checkpoints."""
+        return {
+            "history": [[step, dict(logged)] for step, logged in self.history],
+            "nonfinite": [dict(record) for record in self.nonfinite],
+            "last_values": dict(self.last_values),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the history of the checkpoint's fit."""
+        self.history = [(int(step), dict(logged)) for step, logged in state_dict["history"]]
+        del self.history[: -self.history_size]
+        self.nonfinite = [dict(record) for record in state_dict["nonfinite"]]
+        self.last_values = dict(state_dict.get("last_values", {}))
 
     def watches(self, step: int) -> bool:
         """Whether optimizer step ``step`` (0 first) is watched."""
@@ -180,6 +192,8 @@ class ActivationMonitor(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._forget()  # nothing of an earlier fit that stopped halfway
+        self._first = None
+        self._layout.forget()  # the processes (maybe others than before) agree again
         self._rank = trainer.global_rank
         self._catcher = ModelIOCatcher(pl_module, None)
         self._catcher.from_spec(self.spec)  # the names are checked before the first step
@@ -190,7 +204,9 @@ class ActivationMonitor(pl.Callback):
         step = trainer.global_step
         if self._step >= 0 and step != self._step:
             self._finish(trainer, pl_module)  # a step left unfinished (an epoch's end)
-        if not self.watches(step) or self._catcher is None:
+        if self._first is None:
+            self._first = step  # 0, or the step a checkpoint resumes at
+        if not (self.watches(step) or step == self._first) or self._catcher is None:
             return
         rows = real_tokens(batch, "ActivationMonitor") if self.tokens else None
         self._transform = _Statistics(rows, self.histograms)
@@ -226,6 +242,12 @@ class ActivationMonitor(pl.Callback):
         if trainer.global_step != self._step:  # the optimizer stepped: the step is whole
             self._finish(trainer, pl_module)
 
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self._transform is not None:
+            self._transform.scale = self._loss_scale(trainer, loss)
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._step >= 0:
             self._finish(trainer, pl_module)
@@ -238,6 +260,15 @@ class ActivationMonitor(pl.Callback):
             session.close()
         self._forget()
 
+    def _loss_scale(self, trainer: pl.Trainer, loss: torch.Tensor) -> torch.Tensor | None:
+        """The scale a GradScaler multiplied this backward's loss by, a copy on the device
+        (no host sync; ``scaler.update()`` after the optimizer step changes it in place)."""
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return None
+        self._scaled = True
+        return scaler.scale(torch.ones(1, dtype=torch.float64, device=loss.device))
+
     def _head(self) -> int:
         """The length of a statistics vector before its per-unit part."""
         return HEAD + (len(EDGES) + 1 if self.histograms else 0)
@@ -245,36 +276,47 @@ class ActivationMonitor(pl.Callback):
     def _forget(self) -> None:
         """Drop a step's statistics not logged yet (a fit stopped in the middle of it)."""
         self._step, self._vectors, self._order, self._batch_indices = -1, {}, [], []
+        self._scaled = False
         self._session, self._transform = None, None
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Gather the step's statistics from every process (one collective), log them,
-        and trace a non-finite value to its first place."""
+        """Gather the step's statistics from every process (one collective, in the layout
+        the processes agreed on), log them, and trace a non-finite value to its first place."""
         step, self._step = self._step, -1
         vectors, self._vectors = self._vectors, {}
         order, self._order = self._order, []
         indices, self._batch_indices = self._batch_indices, []
-        keys = sorted(vectors)
-        widths = _agreed_widths(trainer, [len(vectors[key]) for key in keys])
-        head = self._head()
-        vectors = {key: _cut(vectors[key], w, head) for key, w in zip(keys, widths, strict=True)}
-        if not vectors:
-            return
-        flat = torch.cat([vectors[key] for key in keys])
-        several = trainer.world_size > 1  # then one collective of the statistics
-        gathered = trainer.strategy.all_gather(flat) if several else flat[None]
+        scaled, self._scaled = self._scaled, False
+        strategy = trainer.strategy
+        several = trainer.world_size > 1
+        if self._layout.widths is None or not several:  # alone: nothing to agree on
+            self._layout.agree(strategy if several else None, vectors)
+        flat = self._layout.pack(vectors, strategy.root_device)
+        gathered = strategy.all_gather(flat) if several else flat
+        gathered = gathered.reshape(max(trainer.world_size, 1), -1).cpu()  # the figures
+        blocks = self._layout.unpack(gathered)
+        if self._layout.any_unknown(gathered):  # a process saw a key the layout lacks
+            self._layout.forget()
         figures: dict[str, HealthFigures] = {}
-        start = 0
-        for key in keys:
-            width = len(vectors[key])
-            merged = merge_statistics(gathered[:, start : start + width])
-            figures[key] = HealthFigures.of(merged, self.histograms)
-            start += width
+        parts: dict[str, torch.Tensor] = {}
+        for key, (part, units_valid) in blocks.items():
+            merged = merge_statistics(part)
+            found = HealthFigures.of(
+                merged if units_valid else merged[: self._head()], self.histograms
+            )
+            if found.count or found.nan or found.inf:  # not a key no process saw
+                figures[key], parts[key] = found, part
+        if not figures:
+            return
         logged = {
             f"{self.prefix}/{key}/{name}": value
             for key, found in figures.items()
             for name, value in found.scalars().items()
         }
+        bad = [key for key, found in figures.items() if found.nan or found.inf]
+        overflow = scaled and bool(bad) and all("/grad_" in key for key in bad)
+        if scaled:  # the GradScaler skips this step's update: normal for float16
+            logged[f"{self.prefix}/grad_overflow"] = float(overflow)
         for logger in trainer.loggers:  # at the watched step only, in float64 (pl_module.log
             logger.log_metrics(logged, step=step)  # would repeat it until the epoch ends)
         trainer.callback_metrics.update(  # for EarlyStopping and ModelCheckpoint
@@ -282,23 +324,21 @@ class ActivationMonitor(pl.Callback):
         )
         self.last_values = logged
         self.history.append((step, logged))
+        del self.history[: -self.history_size]
         if self.histograms:
-            _log_histograms(trainer, self.prefix, figures, step)
-        self._trace_nonfinite(step, figures, order, indices, gathered, keys, vectors)
+            log_histograms(trainer, self.prefix, figures, step)
+        if bad and not overflow:
+            self._trace_nonfinite(step, figures, bad, order, indices, parts)
 
     def _trace_nonfinite(
         self,
         step: int,
         figures: dict[str, HealthFigures],
+        bad: list[str],
         order: list[str],
         indices: list[int],
-        gathered: torch.Tensor,
-        keys: list[str],
-        vectors: dict[str, torch.Tensor],
+        parts: dict[str, torch.Tensor],
     ) -> None:
-        bad = [key for key, found in figures.items() if found.nan or found.inf]
-        if not bad:
-            return
         forward = [prefix for prefix in order if "/grad_" not in prefix]
         backward = [prefix for prefix in reversed(order) if "/grad_" in prefix]
         first = next(
@@ -310,8 +350,7 @@ class ActivationMonitor(pl.Callback):
             ),
             bad[0],
         )
-        start = sum(len(vectors[key]) for key in keys[: keys.index(first)])
-        per_rank = gathered[:, start + 6 : start + 8].sum(1)  # NaN and inf of each process
+        per_rank = parts[first][:, 6:8].sum(1)  # NaN and inf of each process
         ranks = [rank for rank, count in enumerate(per_rank.tolist()) if count]
         found = figures[first]
         message = (

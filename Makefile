@@ -38,7 +38,23 @@ docs: venv
 unit: venv
 	$(BIN)/pytest -q -n 2 --dist worksteal
 
-test: lint typecheck docs-check unit
+test: lint typecheck docs-check test-install unit
+
+# The package as a user installs it: `python -m build` (an sdist, and the wheel built from
+# it), the wheel installed with the pinned CPU torch (a local wheel) into a fresh virtual
+# environment, never .venv, then imported from there with one dump run and read back
+# (tests/scripts/installed_wheel.py, run from outside the checkout). Both lie in build/,
+# which git ignores. About a minute on 2 cores, most of it pip unpacking torch.
+INSTALL_DIR := build/test-install
+.PHONY: test-install
+test-install:
+	rm -rf $(INSTALL_DIR)
+	$(PYTHON) -m venv $(INSTALL_DIR)/venv
+	$(INSTALL_DIR)/venv/bin/pip install --quiet build
+	$(INSTALL_DIR)/venv/bin/python -m build --outdir $(INSTALL_DIR)/dist . \
+		> $(INSTALL_DIR)/build.log 2>&1 || (cat $(INSTALL_DIR)/build.log; false)
+	$(INSTALL_DIR)/venv/bin/pip install --quiet $(INSTALL_DIR)/dist/*.whl "$(TORCH_PIN)"
+	cd $(INSTALL_DIR) && venv/bin/python $(CURDIR)/tests/scripts/installed_wheel.py
 
 demo: venv
 	$(BIN)/python examples/demo.py

@@ -9,11 +9,13 @@ GPT-2 ``gpt2`` with ``ids``, and for token rows a Llama-style ``model`` with a
 ``tokenized_loader`` and ``eos_id``. ``Trainer`` is Lightning's, fixed to one CPU process,
 one epoch and no logger or progress bar (a block asking for 8 GPUs runs on this machine);
 the S3 block talks to the tests' own S3 server instead of ``127.0.0.1:9000``;
-``from lightning.pytorch import Trainer`` in a block gets the same Trainer.
+``from lightning.pytorch import Trainer`` in a block gets the same Trainer. A page whose
+blocks share their state says so with ``SEQUENCE``: its blocks run in order, as one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 from typing import Any
@@ -30,11 +32,21 @@ from tests.conftest import RowLinear
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
-BLOCKS = {
-    f"{page.relative_to(ROOT)}:{number}": code
-    for page in PAGES
-    for number, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
-}
+SEQUENCE = "<!-- test_readme: the blocks of this page run in sequence -->"
+
+
+def blocks_of(page: Path) -> dict[str, str]:
+    """A page's Python blocks by name; a page marked with ``SEQUENCE`` (its blocks share
+    their state) is one entry, its blocks in order."""
+    text = page.read_text()
+    codes = re.findall(r"```python\n(.*?)```", text, re.S)
+    name = page.relative_to(ROOT)
+    if SEQUENCE in text and codes:
+        return {f"{name}:0-{len(codes) - 1}": "\n".join(codes)}
+    return {f"{name}:{number}": code for number, code in enumerate(codes)}
+
+
+BLOCKS = {name: code for page in PAGES for name, code in blocks_of(page).items()}
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*does not have many workers", "ignore:The number of training batches"
@@ -159,7 +171,8 @@ def test_a_python_block_of_the_readme_or_the_docs_runs(
     code = BLOCKS[block]
     if "s3://" in code:
         server = request.getfixturevalue("server")
-        server.make_bucket("bucket")
+        with contextlib.suppress(FileExistsError):  # made by an earlier S3 block
+            server.make_bucket("bucket")
         written = 'options = {"endpoint_url": "http://127.0.0.1:9000"}'
         assert written in code
         code = code.replace(written, f"options = {server.storage_options()!r}")

@@ -183,7 +183,7 @@ def plot_rows(rows: list[dict], title: str, xlabel: str, path: Path) -> None:
     from matplotlib.figure import Figure
 
     height = 0.32 * len(rows) + 1.6
-    figure = Figure(figsize=(8.6, height))
+    figure = Figure(figsize=(8.2, height))
     axes = figure.add_subplot()
     y = list(range(len(rows)))[::-1]
     for position, r in zip(y, rows, strict=True):
@@ -201,7 +201,7 @@ def plot_rows(rows: list[dict], title: str, xlabel: str, path: Path) -> None:
         axes.plot([r["min"], r["max"]], [position, position], color=colour, lw=2.2, alpha=0.55)
         axes.plot([r["median"]], [position], "o", color=colour, ms=5.5)
     axes.axvline(1.0, color="#bbbbbb", lw=0.8, zorder=0)
-    axes.set_yticks(y, [r["label"] for r in rows], fontsize=8.5)
+    axes.set_yticks(y, [r["label"] for r in rows], fontsize=9)
     axes.set_ylim(-0.7, len(rows) - 0.3)
     axes.set_xlim(0, max(r["max"] for r in rows) * 1.05)
     axes.set_xlabel(xlabel, fontsize=9)
@@ -216,7 +216,7 @@ def plot_rows(rows: list[dict], title: str, xlabel: str, path: Path) -> None:
     ]
     for marker, colour, text in legend:
         axes.plot([], [], marker, color=colour, label=text)
-    figure.legend(fontsize=7.5, loc="lower center", ncol=5, frameon=False)
+    figure.legend(fontsize=8.5, loc="lower center", ncol=5, frameon=False)
     figure.tight_layout(rect=(0, 0.3 / height, 1, 1))
     figure.savefig(path, dpi=90)
 

@@ -20,6 +20,7 @@ import torch
 from lightning_iocatch.checks import parse_dtype
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
+from lightning_iocatch.store.backends.coded import CodedShard
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.coverage import gaps, listed, refuse_duplicates, sample_array
 from lightning_iocatch.store.names import POSITION_KEY, TOKEN_ID_KEY
@@ -424,6 +425,8 @@ class FeatureStore:
         with progress_bar(self._progress, "verify", total=shards, unit="shard") as advance:
             for source in self._sources:
                 if source.shard.crc32() != source.record.crc32:
+                    if isinstance(source.shard, CodedShard):
+                        source.shard.check_blocks()  # names the damaged block, where one is
                     raise StoreError(f"shard {source} does not match its checksum: it is corrupted")
                 source.indices(range(len(source.record.batches)))
                 advance(1)

@@ -31,6 +31,7 @@ import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Shard
+from lightning_iocatch.store.backends.coded import CodedShard
 from lightning_iocatch.store.backends.safetensors_layout import Span
 from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.index_set import IndexSet
@@ -62,6 +63,8 @@ class CommittedShard:
     """
 
     def __init__(self, shard: Shard, entry: LedgerEntry, dtype: torch.dtype | None = None) -> None:
+        if entry.record.codec is not None:
+            shard = CodedShard(shard)  # read as the tensors it was given
         self.shard, self.entry, self.dtype = shard, entry, dtype
         self._checked = False
 

@@ -47,6 +47,7 @@ from lightning_iocatch.store.in_flight import ShardsInFlight
 from lightning_iocatch.store.names import FORMAT, INDEX_KEY, shard_name
 from lightning_iocatch.store.plan import StorePlan
 from lightning_iocatch.store.records import ShardRecord
+from lightning_iocatch.store.shard_codec import check_codec, encode_tensors
 from lightning_iocatch.store.shard_file import (
     SCALE_RULE,
     STORABLE_DTYPES,
@@ -67,7 +68,11 @@ class _Cancelled(Exception):
 
 
 def _serialize(
-    handle: IO[bytes], batches: list[SelectedBatch], rank: int, cancelled: threading.Event
+    handle: IO[bytes],
+    batches: list[SelectedBatch],
+    rank: int,
+    cancelled: threading.Event,
+    codec: str | None = None,
 ) -> tuple[int, int]:
     """Write a shard of ``batches`` (tensors ``b{position}/{key}``); return its CRC-32 and size.
 
@@ -92,6 +97,10 @@ def _serialize(
     metadata = {"format": FORMAT, "rank": str(rank)}
     if scaled:
         metadata["scaled"] = json.dumps(scaled, sort_keys=True)
+    if codec is not None:
+        stop_if_cancelled()
+        tensors, described = encode_tensors(tensors, codec)
+        metadata.update(described)
     return write_safetensors(
         handle, tensors, metadata, chunk_bytes=_CHUNK, before_chunk=stop_if_cancelled
     )
@@ -132,6 +141,9 @@ class ShardWriter:
         shards_in_flight: shards written at once (default: 4 on object storage, 1 on disk);
             the memory bound grows with it (see the module docstring).
         storage_options: fsspec options for a URL ``path`` (credentials, endpoint).
+        codec: ``"zstd"`` compresses each shard's tensors losslessly, in blocks of whole
+            rows that a reader decodes only where it reads (see
+            :mod:`~lightning_iocatch.store.shard_codec`); ``None`` (default) for none.
 
     The thread starts with the first batch. Call :meth:`close` at the end (it writes what
     is queued and raises the thread's error, if any) or :meth:`abort` to stop at once.
@@ -164,6 +176,7 @@ class ShardWriter:
         dtype: torch.dtype | str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         shards_in_flight: int | None = None,
+        codec: str | None = None,
     ) -> None:
         if sys.byteorder != "little":
             raise StoreError("the feature store format is little-endian; this machine is not")
@@ -178,6 +191,7 @@ class ShardWriter:
         if self.dtype is not None and self.dtype not in STORABLE_DTYPES:
             raise ValueError(f"`dtype` {dtype!r} is a dtype safetensors cannot store")
         self._rows = RowSelector(plan, self.dtype)
+        self.codec = check_codec(codec)
         self._next_seq = plan.next_seq.get(rank, 0)
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._cancel = threading.Event()
@@ -361,10 +375,10 @@ class ShardWriter:
         def write() -> None:
             crc, size = self.backend.write_shard(
                 name,
-                lambda handle: _serialize(handle, batches, self.rank, self._cancel),
+                lambda handle: _serialize(handle, batches, self.rank, self._cancel, self.codec),
                 durable=self.durable,
             )
-            record = _record(name, self.rank, crc, size, batches)
+            record = _record(name, self.rank, crc, size, batches, self.codec)
             self.backend.commit(record, durable=self.durable)
             with self._counts:
                 self._committed.append(record)
@@ -396,7 +410,9 @@ def _check_token_keys(
         )
 
 
-def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBatch]) -> ShardRecord:
+def _record(
+    name: str, rank: int, crc: int, size: int, batches: list[SelectedBatch], codec: str | None
+) -> ShardRecord:
     """The ledger line (or commit record) of a shard of ``batches``."""
     skipped: dict[str, str] = {}
     for batch in batches:
@@ -424,6 +440,7 @@ def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBat
         per_batch=tuple(sorted(set().union(*(batch.per_batch for batch in batches)))),
         skipped=skipped,
         scaled=_scaled(batches),
+        codec=codec,
     )
 
 

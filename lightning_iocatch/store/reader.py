@@ -169,7 +169,8 @@ class FeatureStore:
         stored in 8-bit floats with a scale per row also has ``"scaled": "row"`` and
         ``"read_as"``, the dtype it is read as.
         ``per_batch``: keys stored once per batch, with their number of batches.
-        ``skipped``: keys the writer did not store, with the reason. Also ``shards``,
+        ``skipped``: keys the writer did not store, with the reason. ``codecs``: the
+        lossless codecs of its shards (``[]`` for none; invisible to reads). Also ``shards``,
         ``ranks``, ``bytes`` (of every dataloader), ``dataloaders`` and ``rows``.
         """
         skipped = {key: why for record in self._records for key, why in record.skipped.items()}
@@ -180,6 +181,7 @@ class FeatureStore:
             "per_batch": dict(sorted(per_batch.items())),
             "skipped": skipped,
             "shards": [record.file for record in self._records],
+            "codecs": sorted({r.codec for r in self._records if r.codec is not None}),
             "ranks": sorted({record.rank for record in self._records}),
             "bytes": sum(record.bytes for record in self._records),
             "dataloaders": list(self._dataloaders),

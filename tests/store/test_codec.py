@@ -87,7 +87,9 @@ def test_a_coded_store_reads_exactly_what_was_written(tmp_path: Path) -> None:
     coded.verify()
 
 
-def test_fp8_with_zstd_reads_as_fp8_without(tmp_path: Path) -> None:
+def test_fp8_with_zstd_reads_as_fp8_without_and_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tensors = {"x": data()["f32"] * 100}
     write(tmp_path / "plain", tensors, dtype="float8_e4m3fn")
     write(tmp_path / "zstd", tensors, dtype="float8_e4m3fn", codec="zstd")
@@ -95,6 +97,17 @@ def test_fp8_with_zstd_reads_as_fp8_without(tmp_path: Path) -> None:
     assert coded.dtype == torch.float32 and torch.equal(coded, plain)
     batch = next(iter(StoreRows(tmp_path / "zstd", "x", batch_size=ROWS, shuffle=False)))
     assert torch.equal(batch["x"], plain)
+    assert main(["inspect", str(tmp_path / "zstd")]) == 0
+    out = capsys.readouterr().out
+    assert "codec      zstd (lossless" in out and "float8_e4m3fn (scaled per row)" in out
+    plan = prepare_store(tmp_path / "zstd", "resume", SETTINGS)  # reads the coded indices
+    writer = ShardWriter(tmp_path / "zstd", rank=0, plan=plan, codec="zstd", dtype="float8_e4m3fn")
+    more = torch.randn(8, WIDTH)
+    assert writer.write({"x": torch.cat([tensors["x"][-4:], more])}, list(range(92, 104))) == 8
+    writer.close()
+    store = FeatureStore(tmp_path / "zstd")
+    assert torch.equal(store.indices, torch.arange(104))
+    assert torch.equal(store["x"][:ROWS], plain)
 
 
 def test_a_read_of_some_rows_decodes_only_their_blocks(

@@ -11,6 +11,7 @@ last few blocks decoded are kept, for readers that go through a shard in order.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -147,7 +148,8 @@ class CodedShard(Shard):
     def _blocks(self, name: str, blocks: list[int]) -> dict[int, np.ndarray]:
         """The decoded ``blocks`` of ``name``: those kept, and the others fetched together."""
         shuffle, coded, _ = self._tensors()
-        found = {b: self._kept[(name, b)] for b in blocks if (name, b) in self._kept}
+        kept = ((b, self._kept.get((name, b))) for b in blocks)  # .get: safe across threads
+        found = {b: data for b, data in kept if data is not None}
         todo = [b for b in blocks if b not in found]
         bounds = self._physical[name]
         raw = self.raw.read_ranges([(bounds[b], bounds[b + 1]) for b in todo]) if todo else []
@@ -155,8 +157,9 @@ class CodedShard(Shard):
             where = f"shard {self} tensor {name!r} block {block}"
             found[block] = decode_block(data, coded[name], block, shuffle, where)
             self._kept[(name, block)] = found[block]
-            if len(self._kept) > _KEPT_BLOCKS:
-                self._kept.popitem(last=False)
+            while len(self._kept) > _KEPT_BLOCKS:
+                with contextlib.suppress(KeyError):  # another thread took it first
+                    self._kept.popitem(last=False)
         return found
 
     def check_blocks(self) -> None:

@@ -159,3 +159,37 @@ def test_rows_at_store_rows_and_per_batch_keys_read_dequantized(tmp_path: Path) 
     bf16 = next(iter(StoreRows(tmp_path, "x", batch_size=12, shuffle=False, dtype="bfloat16")))
     assert bf16["x"].dtype == torch.bfloat16 and torch.equal(bf16["x"], whole.to(torch.bfloat16))
     assert store.mean("x").double().numpy() == pytest.approx(whole.double().mean(0).numpy())
+
+
+def test_float8_exports_dequantized_as_float32(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    from lightning_iocatch.store.export import export_dataset
+
+    x = torch.randn(10, 6, generator=torch.Generator().manual_seed(2)) * 50
+    write(tmp_path / "store", [{"x": x}], dtype="float8_e4m3fn")
+    _, _, tensors = shard_contents(tmp_path / "store")
+    stored = tensors["b0/x"].to(torch.float32).numpy()  # fp8 values are exact in float32
+    by_hand = stored * tensors["b0.scale/x"].numpy()[:, None]  # NumPy's float32 product
+    export_dataset(tmp_path / "store", tmp_path / "ds")
+    data = datasets.load_from_disk(str(tmp_path / "ds")).with_format("numpy")
+    assert data.features["x"].feature.dtype == "float32"
+    np.testing.assert_array_equal(data[:]["x"], by_hand[data[:]["index"]])
+
+
+def test_a_store_written_before_compact_dtypes_reads_unchanged(tmp_path: Path) -> None:
+    """``tests/fixtures/store-v3-bf16``: written by ShardWriter(dtype=torch.bfloat16) of
+    commit d1af5de (format /3, before scales and codecs): 9 rows ``x[i, j] = (4i + j) / 3``,
+    ``ids = 10 i``, and ``rope`` once per batch of 3, ``first / 7``."""
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "store-v3-bf16"
+    store = FeatureStore(fixture, verify=True)
+    i = torch.arange(9)
+    x = ((i[:, None] * 4 + torch.arange(4)).float() / 3).to(torch.bfloat16)
+    assert store["x"].dtype == torch.bfloat16 and torch.equal(store["x"], x)
+    assert torch.equal(store["ids"], i * 10)
+    assert [t.tolist() for _, t in store.batches("rope")] == [
+        torch.full((1, 2), first / 7).to(torch.bfloat16).tolist() for first in (0, 3, 6)
+    ]
+    assert "scaled" not in store.metadata["keys"]["x"] and store.metadata["codecs"] == []
+    assert torch.equal(FeatureStore(fixture, dtype="float32")["x"], x.float())
+    batch = next(iter(StoreRows(fixture, ["x", "ids"], batch_size=9, shuffle=False)))
+    assert torch.equal(batch["x"], x) and torch.equal(batch["ids"], i * 10)

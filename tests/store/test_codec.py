@@ -177,3 +177,30 @@ def test_a_missing_zstandard_and_an_unknown_codec_are_named(
     monkeypatch.setitem(__import__("sys").modules, "zstandard", None)
     with pytest.raises(ImportError, match=r"pip install lightning-iocatch\[zstd\]"):
         FeatureWriter(tmp_path, codec="zstd")
+
+
+def test_a_trainer_dump_in_fp8_with_zstd_reads_through_dataloader_workers(tmp_path: Path) -> None:
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from lightning_iocatch import IOCaptureCallback
+    from tests.lightning_models import TinyModule, loader, trainer
+
+    seen: list[torch.Tensor] = []
+    torch.manual_seed(0)
+    module = TinyModule(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    module.model[0].register_forward_hook(lambda m, i, out: seen.append(out.detach()))
+    writer = FeatureWriter(tmp_path, dtype=torch.float8_e4m3fn, codec="zstd")
+    callback = IOCaptureCallback("outputs[model.0]", writer=writer)
+    trainer([callback]).predict(module, loader(20, 6), return_predictions=False)
+    truth = torch.cat(seen).double()
+    store = FeatureStore(tmp_path)
+    read = store["model.0/outputs"]
+    scale = truth.abs().amax(1, keepdim=True) / 448
+    bound = torch.maximum(truth.abs() * 2.0**-4, scale * 2.0**-9) * (1 + 1e-6)
+    assert read.dtype == torch.float32 and ((read.double() - truth).abs() <= bound).all()
+    rows = StoreRows(tmp_path, "model.0/outputs", batch_size=7, with_indices=True, seed=2)
+    batches = list(DataLoader(rows, batch_size=None, num_workers=1))
+    index = torch.cat([b["index"] for b in batches])
+    assert sorted(index.tolist()) == list(range(20))
+    assert torch.equal(torch.cat([b["model.0/outputs"] for b in batches]), read[index])

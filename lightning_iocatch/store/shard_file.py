@@ -19,7 +19,6 @@ recorded in the shard's metadata and its record (``scaled``: key -> ``"row"``).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import struct
@@ -27,7 +26,6 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
-import numpy as np
 import torch
 
 __all__ = [
@@ -100,62 +98,34 @@ def quantize(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     largest = torch.finfo(dtype).max
     rows = tensor.reshape(_rows_of(tensor.shape))
     wide = rows.to(torch.float64 if tensor.dtype == torch.float64 else torch.float32)
-    finite = torch.isfinite(wide)
-    peak = torch.where(finite, wide.abs(), 0).amax(1) if wide.numel() else wide.new_zeros(len(wide))
+    peak = wide.abs().amax(1) if wide.numel() else wide.new_zeros(len(wide))
+    finite = None  # every value finite: the common case, checked on the peaks alone
+    if not bool(torch.isfinite(peak).all()):
+        finite = torch.isfinite(wide)
+        peak = torch.where(finite, wide.abs(), 0).amax(1)
     scale = torch.where(peak > 0, peak / largest, 1.0).to(torch.float32)
     scale = torch.where(scale > 0, scale, torch.finfo(torch.float32).tiny)  # underflowed
-    scaled = (wide / scale.to(wide.dtype)[:, None]).clamp(-largest, largest)
-    scaled = torch.where(finite, scaled, wide)  # NaN and infinities as they are
-    if dtype not in _HAS_INFINITY:
-        scaled = torch.where(torch.isinf(wide), torch.nan, scaled)  # no infinity: NaN
-    return _to_float8(scaled, dtype).reshape(tensor.shape), scale.reshape(tensor.shape[:1])
+    scaled = (wide / scale.to(wide.dtype)[:, None]).clamp_(-largest, largest)
+    if finite is not None:
+        scaled = torch.where(finite, scaled, wide)  # NaN and infinities as they are
+    stored = _to_float8(scaled, dtype, finite=finite is None)  # no infinity: NaN
+    return stored.reshape(tensor.shape), scale.reshape(tensor.shape[:1])
 
 
 def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values of ``stored`` (a :data:`SCALED_DTYPES` tensor) with their ``scale`` per
     row applied, computed in float32 and returned as the floating ``dtype``."""
-    rows = _from_float8(stored).reshape(_rows_of(stored.shape)) * scale.reshape(-1)[:, None]
+    rows = stored.to(torch.float32).reshape(_rows_of(stored.shape)) * scale.reshape(-1)[:, None]
     return rows.reshape(stored.shape).to(dtype)
 
 
-# torch's own casts to and from 8-bit floats are scalar loops on the CPU (about 10 M values
-# a second); these do the same rounding (to nearest, ties to even) with vectorized integer
-# operations, and read through a table of the 256 values. Mantissa bits, exponent bias:
-_BIT_CASTS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
-
-
-def _to_float8(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` (within ``dtype``'s range, or not finite) as ``dtype``, rounded as torch's
-    cast rounds; an infinity is NaN where ``dtype`` has no infinity."""
-    if values.device.type != "cpu" or dtype not in _BIT_CASTS:
+def _to_float8(values: torch.Tensor, dtype: torch.dtype, *, finite: bool = False) -> torch.Tensor:
+    """``values`` (within ``dtype``'s range, or not finite) as ``dtype``; an infinity is NaN
+    where ``dtype`` has none (torch's cast would saturate it to the largest value).
+    ``finite``: the caller knows every value is finite."""
+    if dtype in _HAS_INFINITY or finite:
         return values.to(dtype)
-    mantissa, bias = _BIT_CASTS[dtype]
-    value = values.to(torch.float32).contiguous()
-    sign = (value.view(torch.int32) >> 24) & 0x80
-    size = value.abs()
-    bits = size.view(torch.int32)
-    drop = 23 - mantissa  # float32's mantissa bits dropped, rounded to nearest even
-    bits = bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)
-    normal = (((bits >> 23) - 127 + bias) << mantissa) | ((bits >> drop) & ((1 << mantissa) - 1))
-    subnormal = torch.round(size * 2.0 ** (bias - 1 + mantissa)).to(torch.int32)
-    code = torch.where(size < 2.0 ** (1 - bias), subnormal, normal)
-    code = torch.where(torch.isfinite(value), code, 0x7F)  # NaN; an infinity too, unless:
-    if dtype in _HAS_INFINITY:
-        code = torch.where(torch.isinf(value), 0x7C, code)
-    return (code | sign).to(torch.uint8).view(dtype)
-
-
-@functools.cache
-def _float8_table(dtype: torch.dtype) -> np.ndarray:
-    return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).numpy()
-
-
-def _from_float8(stored: torch.Tensor) -> torch.Tensor:
-    """``stored`` (8-bit floats) as float32."""
-    if stored.device.type != "cpu" or stored.dtype not in _BIT_CASTS:
-        return stored.to(torch.float32)
-    table = _float8_table(stored.dtype)
-    return torch.from_numpy(table[stored.contiguous().view(torch.uint8).numpy()])
+    return torch.where(torch.isinf(values), torch.nan, values).to(dtype)
 
 
 def _rows_of(shape: torch.Size) -> tuple[int, int]:

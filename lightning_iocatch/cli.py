@@ -157,6 +157,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if tokens:
         print(f"tokens     {', '.join(f'{k}={v}' for k, v in tokens.items())}")
     print(f"bytes      {meta['bytes']:,} in shards, {on_disk:,} {where}")
+    if meta["codecs"]:
+        print(f"codec      {', '.join(meta['codecs'])} (lossless, in blocks of rows)")
     print(f"libraries  {', '.join(f'{k} {v}' for k, v in meta.get('libraries', {}).items())}")
     if len(meta["dataloaders"]) > 1:
         print(f"dataloader {args.dataloader_idx} of {meta['dataloaders']}")
@@ -170,7 +172,8 @@ def _inspect(args: argparse.Namespace) -> int:
         else:
             count = store.row_count(key)
             rows = str(count) if count == len(store) else f"{count} of {len(store)}"
-        print(f"{key:<56} {info['dtype']:<10} {shape:<16} {rows:>8}")
+        dtype = info["dtype"] + (" (scaled per row)" if info.get("scaled") else "")
+        print(f"{key:<56} {dtype:<10} {shape:<16} {rows:>8}")
     for key, reason in meta["skipped"].items():
         print(f"{key:<56} skipped: {reason}")
     problems = []

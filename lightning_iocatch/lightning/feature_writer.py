@@ -26,6 +26,7 @@ from lightning_iocatch.lightning.function_records import adopt_fingerprints, ref
 from lightning_iocatch.lightning.sinks import STAGES, BatchCaptures, CaptureSink
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.plan import MODES, Mode, StorePlan, prepare_store
+from lightning_iocatch.store.shard_codec import check_codec
 from lightning_iocatch.store.shard_file import STORABLE_DTYPES
 from lightning_iocatch.store.tokens import TokenRows
 from lightning_iocatch.store.writer import ShardWriter
@@ -68,7 +69,18 @@ class FeatureWriter(CaptureSink):
             deletes a previous store's files first (and nothing else).
         max_shard_bytes: a shard is written once its batches hold this many bytes.
         dtype: cast floating tensors for storage: a floating ``torch.dtype`` or its name
-            (``"float16"``).
+            (``"float16"``, ``"bfloat16"``: stored natively, bit for bit as
+            ``tensor.to(torch.bfloat16)``). An 8-bit float (``"float8_e4m3fn"``,
+            ``"float8_e5m2"``) stores each floating tensor with a float32 scale per row
+            (``max|x| / 448`` for e4m3fn; see :mod:`~lightning_iocatch.store.shard_file`),
+            computed on the capture's device; readers return it dequantized (float32 by
+            default, or the ``dtype=`` they ask for).
+        codec: ``"zstd"`` compresses each shard's tensors losslessly (needs
+            ``pip install lightning-iocatch[zstd]``), in blocks of whole rows (about 1 MiB)
+            so that a read of some rows, also a ranged read on object storage, fetches and
+            decodes only their blocks; each block carries a checksum, so a damaged one is
+            refused, never decoded into garbage. ``None`` (default): no codec. Invisible
+            to readers.
         queue_size: batches waiting for the writer thread before ``on_batch`` blocks.
         durable: fsync every shard before it is renamed and recorded, so a committed shard
             survives a machine crash. ``False`` keeps the atomic rename and the ledger (a
@@ -130,6 +142,7 @@ class FeatureWriter(CaptureSink):
         tokens: TokenRows | None = None,
         storage_options: Mapping[str, Any] | None = None,
         shards_in_flight: int | None = None,
+        codec: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
@@ -145,6 +158,7 @@ class FeatureWriter(CaptureSink):
         self.dtype = parse_dtype("dtype", dtype)
         if self.dtype is not None and self.dtype not in STORABLE_DTYPES:
             raise ValueError(f"`dtype` {dtype!r} is a dtype safetensors cannot store")
+        self.codec = check_codec(codec)
         self.queue_size = check_int("queue_size", queue_size, minimum=1)
         self.shards_in_flight = (
             None
@@ -220,6 +234,7 @@ class FeatureWriter(CaptureSink):
                 shards_in_flight=self.shards_in_flight,
                 durable=self.durable,
                 dtype=self.dtype,
+                codec=self.codec,
             )
             self._dumped = True  # from here on the path holds this writer's dump
 

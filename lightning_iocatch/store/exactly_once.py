@@ -19,6 +19,10 @@ The rules a :class:`~lightning_iocatch.store.writer.ShardWriter` applies through
   ``__token_id__``; every other tensor is stored once per batch. A sample's rows are
   kept or dropped together; a sample without a selected token is listed in its batch
   record's ``without_rows``, so that it counts as stored.
+- **Storage dtype.** ``dtype`` casts floating tensors; an 8-bit float ``dtype``
+  (:data:`~lightning_iocatch.store.shard_file.SCALED_DTYPES`) stores each floating tensor
+  with a float32 scale per row (:func:`~lightning_iocatch.store.shard_file.quantize`,
+  computed on the tensor's device before its copy to the host).
 - **Refused on the calling thread.** A tensor safetensors cannot store (sparse, nested,
   meta, or a dtype outside :data:`~lightning_iocatch.store.shard_file.STORABLE_DTYPES`) raises
   :class:`~lightning_iocatch.StoreError` naming its key.
@@ -29,7 +33,7 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,7 +43,7 @@ from lightning_iocatch.store.index_set import IndexSet
 from lightning_iocatch.store.names import INDEX_KEY, POSITION_KEY, RESERVED_KEYS, TOKEN_ID_KEY
 from lightning_iocatch.store.plan import StorePlan
 from lightning_iocatch.store.records import BatchRecord
-from lightning_iocatch.store.shard_file import STORABLE_DTYPES, dtype_name
+from lightning_iocatch.store.shard_file import SCALED_DTYPES, STORABLE_DTYPES, dtype_name, quantize
 from lightning_iocatch.store.tokens import TokenSelection
 
 __all__ = ["RowSelector", "SelectedBatch"]
@@ -57,6 +61,7 @@ class SelectedBatch:
     per_batch: frozenset[str]
     skipped: dict[str, str]
     nbytes: int
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)  # of keys stored scaled
 
 
 class RowSelector:
@@ -65,7 +70,8 @@ class RowSelector:
     Args:
         plan: what :func:`~lightning_iocatch.store.plan.prepare_store` returned: the
             dataset indices already committed and the kind of each key already stored.
-        dtype: cast floating tensors to this dtype for storage.
+        dtype: cast floating tensors to this dtype for storage; an 8-bit float stores
+            them with a scale per row (see the module docstring).
     """
 
     def __init__(self, plan: StorePlan, dtype: torch.dtype | None = None) -> None:
@@ -110,7 +116,9 @@ class RowSelector:
         if reserved:
             raise StoreError(f"{reserved[0]!r} is a key the store keeps for itself; rename it")
         samples = len(indices)
-        stored = {key: self._storable(key, tensor) for key, tensor in tensors.items()}
+        storable = {key: self._storable(key, tensor) for key, tensor in tensors.items()}
+        scales = {key: scale for key, (_, scale) in storable.items() if scale is not None}
+        stored = {key: tensor for key, (tensor, _) in storable.items()}
         rows = samples if tokens is None else len(tokens)
         if tokens is not None and tokens.shape[0] != samples:
             raise StoreError(
@@ -155,6 +163,7 @@ class RowSelector:
             has_rows.update(dict.fromkeys(coordinates, True))
         per_batch: set[str] = set()
         skipped: dict[str, str] = {}
+        kept_scales: dict[str, torch.Tensor] = {}
         for key, tensor in stored.items():
             kind = self._kinds.setdefault(key, _ROWS if has_rows[key] else _BATCH)
             if kind == _BATCH and has_rows[key] and tokens is not None:
@@ -165,9 +174,15 @@ class RowSelector:
             elif kind == _BATCH:
                 batch[key] = tensor.contiguous()
                 per_batch.add(key)
+                if key in scales:
+                    kept_scales[key] = scales[key].contiguous()
             elif has_rows[key]:
                 batch[key] = tensor.index_select(0, select) if select is not None else tensor
                 batch[key] = batch[key].contiguous()
+                if key in scales:
+                    scale = scales[key]
+                    scale = scale.index_select(0, select) if select is not None else scale
+                    kept_scales[key] = scale.contiguous()
             else:
                 unit = "samples" if tokens is None else "selected tokens"
                 skipped[key] = (
@@ -175,9 +190,10 @@ class RowSelector:
                     f"{unit.removesuffix('s')} in a batch of {rows} {unit}, though earlier "
                     "batches stored this key row by row"
                 )
-        nbytes = sum(tensor.numel() * tensor.element_size() for tensor in batch.values())
+        every = [*batch.values(), *kept_scales.values()]
+        nbytes = sum(tensor.numel() * tensor.element_size() for tensor in every)
         record = BatchRecord.of(dataloader_idx, batch_idx, batch[INDEX_KEY], without_rows)
-        return SelectedBatch(record, batch, frozenset(per_batch), skipped, nbytes)
+        return SelectedBatch(record, batch, frozenset(per_batch), skipped, nbytes, kept_scales)
 
     @staticmethod
     def _has_rows(
@@ -192,8 +208,10 @@ class RowSelector:
             return key in token_keys
         return bool(stored.dim()) and stored.shape[0] == rows
 
-    def _storable(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _storable(self, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensor as stored (on the CPU), with its scale per row where it is scaled."""
         problem = None
+        scale = None
         if tensor.is_nested:
             problem = "a nested tensor; store its components as separate outputs"
         elif tensor.layout != torch.strided:
@@ -201,7 +219,10 @@ class RowSelector:
         elif tensor.is_meta:
             problem = "a meta tensor, which holds no data"
         else:
-            if self.dtype is not None and tensor.is_floating_point():
+            if self.dtype in SCALED_DTYPES and tensor.is_floating_point():
+                tensor, scale = quantize(tensor.detach(), self.dtype)
+                scale = scale.to("cpu")
+            elif self.dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(self.dtype)
             if tensor.dtype not in STORABLE_DTYPES:
                 names = ", ".join(dtype_name(dtype) for dtype in STORABLE_DTYPES)
@@ -211,7 +232,7 @@ class RowSelector:
                 )
         if problem is not None:
             raise StoreError(f"FeatureWriter cannot store {key!r}: it is {problem}")
-        return tensor.detach().to("cpu").resolve_conj().resolve_neg()
+        return tensor.detach().to("cpu").resolve_conj().resolve_neg(), scale
 
     def _new_rows(
         self,

@@ -40,7 +40,8 @@ INDEX_COLUMN = "index"
 TOKEN_IDS_COLUMN = "token_ids"
 
 
-# Arrow has no bfloat16: it is widened, losslessly, to float32.
+# Arrow has no bfloat16: it is widened, losslessly, to float32. A key stored in 8-bit
+# floats with a scale per row is exported as the FeatureStore reads it: dequantized, float32.
 ARROW_DTYPES = {
     "bool": "bool",
     "uint8": "uint8",
@@ -98,7 +99,8 @@ def _key_info(meta: dict[str, Any], path: StoreBackend, key: str) -> tuple[tuple
             f"{key!r} is stored as {info['dtype'].replace('|', ' and ')} in different batches; "
             "a column needs one dtype: leave it out with `keys=` (`--keys`)"
         )
-    if info["dtype"] not in ARROW_DTYPES:
+    dtype = info.get("read_as", info["dtype"])  # scaled 8-bit floats: read dequantized
+    if dtype not in ARROW_DTYPES:
         raise ExportError(
             f"{key!r} is stored as {info['dtype']}, which Arrow cannot hold; exportable "
             f"dtypes: {sorted(ARROW_DTYPES)}"
@@ -106,7 +108,7 @@ def _key_info(meta: dict[str, Any], path: StoreBackend, key: str) -> tuple[tuple
     shape = tuple(info["shape"])
     if len(shape) > 5:
         raise ExportError(f"{key!r} has rows of {len(shape)} dimensions; at most 5 can export")
-    return shape, info["dtype"]
+    return shape, dtype
 
 
 def plain_columns(

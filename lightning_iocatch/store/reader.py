@@ -17,8 +17,10 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_iocatch.checks import parse_dtype
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
+from lightning_iocatch.store.backends.coded import CodedShard
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.coverage import gaps, listed, refuse_duplicates, sample_array
 from lightning_iocatch.store.names import POSITION_KEY, TOKEN_ID_KEY
@@ -61,6 +63,10 @@ class FeatureStore:
         verify: check every shard's CRC-32 (reading every byte) before reading anything
             from the shards, as :meth:`verify` does.
         storage_options: fsspec options for a URL ``path`` (credentials, endpoint, ...).
+        dtype: the floating dtype (or its name) every floating key is read as. Default
+            ``None``: as stored (``bfloat16`` stays ``bfloat16``), except that a key stored
+            in 8-bit floats with a scale per row (``FeatureWriter(dtype="float8_e4m3fn")``)
+            is read dequantized as float32 (``metadata["keys"][key]["scaled"]`` says so).
         progress: progress bars on stderr for :meth:`verify` (per shard checked) and, on
             object storage, for reading the commit records when opening: ``True``,
             ``False``, or ``None`` (default) for bars only when stderr is a terminal.
@@ -104,8 +110,10 @@ class FeatureStore:
         verify: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         progress: bool | None = None,
+        dtype: torch.dtype | str | None = None,
     ) -> None:
         backend = open_backend(path, storage_options)
+        self.dtype = parse_dtype("dtype", dtype)
         self._progress = show_progress(progress)
         if type(dataloader_idx) is not int:
             raise TypeError(f"`dataloader_idx` must be an int, got {dataloader_idx!r}")
@@ -122,7 +130,9 @@ class FeatureStore:
         committed = backend.committed(self._info["format"], progress=self._progress)
         shards = backend.open_shards(committed)
         self._records = [entry.record for entry in committed.entries]
-        self._sources = [CommittedShard(shards[e.record.file], e) for e in committed.entries]
+        self._sources = [
+            CommittedShard(shards[e.record.file], e, self.dtype) for e in committed.entries
+        ]
         if verify:
             self.verify()
         present = sorted({b.dataloader_idx for record in self._records for b in record.batches})
@@ -154,28 +164,36 @@ class FeatureStore:
     def metadata(self) -> dict[str, Any]:
         """``store.json`` plus what the commit records say (no shard is read).
 
-        ``keys``: each key's ``dtype`` and ``shape``: that of one row (for a key stored
-        once per batch, of the whole tensor), ``None`` where batches differ.
+        ``keys``: each key's stored ``dtype`` and ``shape``: that of one row (for a key
+        stored once per batch, of the whole tensor), ``None`` where batches differ; a key
+        stored in 8-bit floats with a scale per row also has ``"scaled": "row"`` and
+        ``"read_as"``, the dtype it is read as.
         ``per_batch``: keys stored once per batch, with their number of batches.
-        ``skipped``: keys the writer did not store, with the reason. Also ``shards``,
+        ``skipped``: keys the writer did not store, with the reason. ``codecs``: the
+        lossless codecs of its shards (``[]`` for none; invisible to reads). Also ``shards``,
         ``ranks``, ``bytes`` (of every dataloader), ``dataloaders`` and ``rows``.
         """
         skipped = {key: why for record in self._records for key, why in record.skipped.items()}
         per_batch = Counter(key for batch in self._batches for key in batch.per_batch)
         return {
             **self._info,
-            "keys": {
-                key: {"dtype": "|".join(sorted(self._dtypes[key])), "shape": self._shape(key)}
-                for key in self.keys()
-            },
+            "keys": {key: self._key_info(key) for key in self.keys()},
             "per_batch": dict(sorted(per_batch.items())),
             "skipped": skipped,
             "shards": [record.file for record in self._records],
+            "codecs": sorted({r.codec for r in self._records if r.codec is not None}),
             "ranks": sorted({record.rank for record in self._records}),
             "bytes": sum(record.bytes for record in self._records),
             "dataloaders": list(self._dataloaders),
             "rows": len(self),
         }
+
+    def _key_info(self, key: str) -> dict[str, Any]:
+        info = {"dtype": "|".join(sorted(self._dtypes[key])), "shape": self._shape(key)}
+        if any(key in batch.source.record.scaled for batch in self._holders(key)):
+            read_as = self.dtype or torch.float32
+            info |= {"scaled": "row", "read_as": str(read_as).removeprefix("torch.")}
+        return info
 
     def _shape(self, key: str) -> list[int] | None:
         shapes = {batch.shape(key) for batch in self._holders(key)}
@@ -409,6 +427,8 @@ class FeatureStore:
         with progress_bar(self._progress, "verify", total=shards, unit="shard") as advance:
             for source in self._sources:
                 if source.shard.crc32() != source.record.crc32:
+                    if isinstance(source.shard, CodedShard):
+                        source.shard.check_blocks()  # names the damaged block, where one is
                     raise StoreError(f"shard {source} does not match its checksum: it is corrupted")
                 source.indices(range(len(source.record.batches)))
                 advance(1)

@@ -30,6 +30,8 @@ import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.names import INDEX_KEY, shard_name, shard_rank_and_seq
+from lightning_iocatch.store.shard_codec import CODECS
+from lightning_iocatch.store.shard_file import SCALE_RULE
 
 __all__ = ["RECORD_CHECKSUM", "BatchRecord", "IndexSummary", "ShardRecord", "format_version"]
 
@@ -192,7 +194,11 @@ class ShardRecord:
     dtype; ``shapes`` gives a key's row shape (``None`` where batches differ). Keys in
     ``per_batch`` are stored once per batch, without a row per sample: their ``shapes``
     entry is the whole tensor's shape. ``skipped`` maps keys the writer did not store to
-    the reason. The JSON carries ``record_crc32`` (see the module docstring).
+    the reason. ``scaled`` maps keys stored in 8-bit floats with a float32 scale per row
+    to that rule (``"row"``; see :mod:`~lightning_iocatch.store.shard_file`). ``codec``
+    names the lossless codec of the shard's tensors (see
+    :mod:`~lightning_iocatch.store.shard_codec`), ``None`` for none. The JSON carries
+    ``record_crc32`` (see the module docstring).
     """
 
     file: str
@@ -204,11 +210,13 @@ class ShardRecord:
     shapes: dict[str, list[int] | None]  # key -> shape of a row; None where batches differ
     per_batch: tuple[str, ...] = ()
     skipped: dict[str, str] = field(default_factory=dict)
+    scaled: dict[str, str] = field(default_factory=dict)
+    codec: str | None = None
 
     def to_json(self) -> str:
         """The record's JSON (one line, without a newline), with its ``record_crc32``."""
         data = asdict(self)
-        for optional in ("per_batch", "skipped"):
+        for optional in ("per_batch", "skipped", "scaled", "codec"):
             if not data[optional]:
                 del data[optional]
         for batch in data["batches"]:
@@ -235,7 +243,7 @@ def _record_crc32(data: dict[str, Any]) -> int:
 
 _FIELDS = ("file", "rank", "bytes", "crc32", "batches", "keys", "shapes")
 _BATCH_FIELDS = ("batch_idx", "dataloader_idx", "rows")
-_OPTIONAL = ("per_batch", "skipped", RECORD_CHECKSUM)
+_OPTIONAL = ("per_batch", "skipped", "scaled", "codec", RECORD_CHECKSUM)
 
 
 def _count(value: Any, what: str, below: int | None = None) -> int:
@@ -296,6 +304,14 @@ def parse_record(data: Any, *, version: int) -> ShardRecord:
         isinstance(k, str) and isinstance(v, str) for k, v in skipped.items()
     ):
         raise ValueError(f"`skipped` must map keys to reasons, got {skipped!r}")
+    scaled = data.get("scaled", {})
+    if not isinstance(scaled, dict) or not all(
+        k in keys and v == SCALE_RULE for k, v in scaled.items()
+    ):
+        raise ValueError(f"`scaled` must map keys of `keys` to {SCALE_RULE!r}, got {scaled!r}")
+    codec = data.get("codec")
+    if codec not in (None, *CODECS):
+        raise ValueError(f"`codec` must be one of {list(CODECS)}, got {codec!r}")
     return ShardRecord(
         file=name,
         rank=rank,
@@ -306,6 +322,8 @@ def parse_record(data: Any, *, version: int) -> ShardRecord:
         shapes=shapes,
         per_batch=tuple(per_batch),
         skipped=skipped,
+        scaled=scaled,
+        codec=codec,
     )
 
 

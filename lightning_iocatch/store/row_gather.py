@@ -8,7 +8,9 @@ the rows by shard and asks each shard for the bytes at just those rows' offsets
 reads on object storage), so a batch costs the bytes of its rows, not of the blocks they
 come from. Rows are moved as bytes with NumPy, on the calling thread only: torch's
 intra-op threads, which a DataLoader's main process has, turn these small copies into a
-contest for the cores with everything else the machine runs.
+contest for the cores with everything else the machine runs. A key stored in 8-bit floats
+with a scale per row is gathered with its scales and dequantized
+(:func:`~lightning_iocatch.store.shard_file.dequantize`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.safetensors_layout import row_width
 from lightning_iocatch.store.names import INDEX_KEY
+from lightning_iocatch.store.shard_file import dequantize, scale_name
 from lightning_iocatch.store.stored_batches import StoredBatch
 
 __all__ = ["Block", "Column", "RowGather"]
@@ -38,11 +41,13 @@ class Block:
 
 @dataclass(frozen=True)
 class Column:
-    """One key of a batch: the shape and dtype of a row as it comes out, and as stored."""
+    """One key of a batch: the shape and dtype of a row as it comes out, and as stored
+    (``scaled``: with a float32 scale per row)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     stored: torch.dtype
+    scaled: bool = False
 
 
 class RowGather:
@@ -64,6 +69,11 @@ class RowGather:
         self._source_of = np.array([number[id(b.batch.source)] for b in blocks], dtype=np.int64)
         self._keeps = {n: b.keep.numpy() for n, b in enumerate(blocks) if b.keep is not None}
         self._starts = {key: np.full(len(blocks), -1, dtype=np.int64) for key in columns}
+        self._scale_starts = {
+            key: np.full(len(blocks), -1, dtype=np.int64)
+            for key, column in columns.items()
+            if column.scaled
+        }
         self._widths: dict[str, int] = {}
         self._checked = np.zeros(len(blocks), dtype=bool)  # __index__ checked
 
@@ -80,6 +90,9 @@ class RowGather:
                     f"{width} bytes for {key!r}, others {self._widths[key]}"
                 )
             starts[block] = span.start
+            if key in self._scale_starts:
+                name = scale_name(batch.position, self._stored[key])
+                self._scale_starts[key][block] = batch.source.spans()[name].start
 
     def _check_indices(self, blocks: np.ndarray) -> None:
         """Read and check the ``__index__`` of each of ``blocks`` not checked yet."""
@@ -104,6 +117,7 @@ class RowGather:
         by_source = np.argsort(sources, kind="stable")
         cuts = np.flatnonzero(np.diff(sources[by_source])) + 1
         out: dict[str, np.ndarray] = {}
+        scales: dict[str, np.ndarray] = {}
         for places in np.split(by_source, cuts):
             source = self._sources[int(sources[places[0]])]
             mine = blocks[places]
@@ -114,11 +128,19 @@ class RowGather:
                 offsets = self._starts[key][mine] + stored[places] * width
                 table = out.setdefault(key, np.empty((count, width), dtype=np.uint8))
                 table[places] = source.gather(offsets, width)
+                if key in self._scale_starts:
+                    offsets = self._scale_starts[key][mine] + stored[places] * 4
+                    table = scales.setdefault(key, np.empty((count, 4), dtype=np.uint8))
+                    table[places] = source.gather(offsets, 4)
         batch = {}
         for key, column in self._columns.items():
             if math.prod(column.shape) == 0:
                 batch[key] = torch.empty((count, *column.shape), dtype=column.dtype)
                 continue
-            values = torch.from_numpy(out[key]).view(column.stored)
-            batch[key] = values.reshape(count, *column.shape).to(column.dtype)
+            values = torch.from_numpy(out[key]).view(column.stored).reshape(count, *column.shape)
+            if column.scaled:
+                scale = torch.from_numpy(scales[key]).view(torch.float32).reshape(count)
+                batch[key] = dequantize(values, scale, column.dtype)
+            else:
+                batch[key] = values.to(column.dtype)
         return batch

@@ -3,11 +3,24 @@
 A shard is a plain safetensors file. :func:`write_safetensors` writes one from the
 tensors' own memory (no serialized copy) and computes its CRC-32 on the way, for the
 ledger record (see :mod:`lightning_iocatch.store.commits`).
+
+**Scaled fp8.** A key stored in an 8-bit float dtype (:data:`SCALED_DTYPES`) is stored
+with a float32 scale per row, the tensor :func:`scale_name` beside it in the same shard
+(``b{j}.scale/{key}``, a name no key's tensor ``b{j}/{key}`` can have): a row (the
+tensor's first dimension; a 0-d tensor is one row) is stored as ``x / scale`` with
+``scale = max|x| / max`` of the row's finite values, ``max`` the format's largest value
+(448 for ``float8_e4m3fn``), and read as ``stored * scale`` (:func:`dequantize`). A row of
+zeros gets scale 1 (read back as exact zeros); values saturate at ``±max``, never overflow.
+A NaN is stored as NaN; an infinity as infinity where the format has one
+(``float8_e5m2``), else as NaN (``float8_e4m3fn`` has none, and torch's cast would
+saturate it to 448 silently); the row's other values keep their scale. The rule is
+recorded in the shard's metadata and its record (``scaled``: key -> ``"row"``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from collections.abc import Callable, Mapping
@@ -15,7 +28,18 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["READABLE_CODES", "STORABLE_DTYPES", "dtype_name", "write_all", "write_safetensors"]
+__all__ = [
+    "READABLE_CODES",
+    "SCALED_DTYPES",
+    "SCALE_RULE",
+    "STORABLE_DTYPES",
+    "dequantize",
+    "dtype_name",
+    "quantize",
+    "scale_name",
+    "write_all",
+    "write_safetensors",
+]
 
 STORABLE_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
@@ -44,6 +68,69 @@ READABLE_CODES: dict[str, torch.dtype] = {code: dtype for dtype, code in STORABL
 ``F8_E8M0`` (read, never written), where this torch has it."""
 if hasattr(torch, "float8_e8m0fnu"):
     READABLE_CODES["F8_E8M0"] = torch.float8_e8m0fnu
+
+
+SCALED_DTYPES = frozenset(
+    {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+)
+"""The storage dtypes stored with a float32 scale per row (see the module docstring)."""
+
+_HAS_INFINITY = frozenset({torch.float8_e5m2})
+
+SCALE_RULE = "row"
+"""How a record names the rule of :func:`quantize`: a scale per row, ``max|x| / max``."""
+
+
+def scale_name(position: int, key: str) -> str:
+    """The name of the scales of ``key`` in batch ``position`` of a shard."""
+    return f"b{position}.scale/{key}"
+
+
+def quantize(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tensor`` (floating) as ``dtype`` (one of :data:`SCALED_DTYPES`) and its float32
+    scale per row (see the module docstring), on ``tensor``'s device.
+
+    Example:
+        >>> stored, scale = quantize(torch.tensor([[896.0, -1.0], [0.0, 0.0]]), torch.float8_e4m3fn)
+        >>> scale.tolist(), dequantize(stored, scale, torch.float32).tolist()
+        ([2.0, 1.0], [[896.0, -1.0], [0.0, 0.0]])
+    """
+    largest = torch.finfo(dtype).max
+    rows = tensor.reshape(_rows_of(tensor.shape))
+    wide = rows.to(torch.float64 if tensor.dtype == torch.float64 else torch.float32)
+    peak = wide.abs().amax(1) if wide.numel() else wide.new_zeros(len(wide))
+    finite = None  # every value finite: the common case, checked on the peaks alone
+    if not bool(torch.isfinite(peak).all()):
+        finite = torch.isfinite(wide)
+        peak = torch.where(finite, wide.abs(), 0).amax(1)
+    scale = torch.where(peak > 0, peak / largest, 1.0).to(torch.float32)
+    scale = torch.where(scale > 0, scale, torch.finfo(torch.float32).tiny)  # underflowed
+    scaled = (wide / scale.to(wide.dtype)[:, None]).clamp_(-largest, largest)
+    if finite is not None:
+        scaled = torch.where(finite, scaled, wide)  # NaN and infinities as they are
+    stored = _to_float8(scaled, dtype, finite=finite is None)  # no infinity: NaN
+    return stored.reshape(tensor.shape), scale.reshape(tensor.shape[:1])
+
+
+def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of ``stored`` (a :data:`SCALED_DTYPES` tensor) with their ``scale`` per
+    row applied, computed in float32 and returned as the floating ``dtype``."""
+    rows = stored.to(torch.float32).reshape(_rows_of(stored.shape)) * scale.reshape(-1)[:, None]
+    return rows.reshape(stored.shape).to(dtype)
+
+
+def _to_float8(values: torch.Tensor, dtype: torch.dtype, *, finite: bool = False) -> torch.Tensor:
+    """``values`` (within ``dtype``'s range, or not finite) as ``dtype``; an infinity is NaN
+    where ``dtype`` has none (torch's cast would saturate it to the largest value).
+    ``finite``: the caller knows every value is finite."""
+    if dtype in _HAS_INFINITY or finite:
+        return values.to(dtype)
+    return torch.where(torch.isinf(values), torch.nan, values).to(dtype)
+
+
+def _rows_of(shape: torch.Size) -> tuple[int, int]:
+    """A shape as (rows, values per row): its first dimension is the rows; 0-d is one row."""
+    return (1, 1) if not shape else (shape[0], math.prod(shape[1:]))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -5,8 +5,11 @@ its rows, its keys and a summary of its dataset indices (:class:`~.records.Index
 so nothing is read from a shard to open it. What is read later is checked first: a
 :class:`CommittedShard` checks its safetensors header against its record once, before
 its first tensor is read (:func:`check_header`), and every ``__index__`` read is checked
-against its batch's summary (its CRC-32). Stores of the formats ``/1`` and ``/2`` (records
-without summaries) have their headers and indices read at opening instead, as before.
+against its batch's summary (its CRC-32). A key stored in 8-bit floats with a scale per
+row is read dequantized (:func:`~.shard_file.dequantize`) by :class:`CommittedShard`, in
+the floating dtype its reader asks for (default float32): no reader decodes by hand.
+Stores of the formats ``/1`` and ``/2`` (records without summaries) have their headers
+and indices read at opening instead, as before.
 
 :func:`first_commits` decides, batch by batch in commit order, which rows are read when a
 dataset index is stored twice, keeping the indices seen as intervals
@@ -28,12 +31,13 @@ import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Shard
+from lightning_iocatch.store.backends.coded import CodedShard
 from lightning_iocatch.store.backends.safetensors_layout import Span
 from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.index_set import IndexSet
 from lightning_iocatch.store.names import INDEX_KEY, POSITION_KEY, TOKEN_ID_KEY
 from lightning_iocatch.store.records import BatchRecord, IndexSummary, ShardRecord
-from lightning_iocatch.store.shard_file import READABLE_CODES, dtype_name
+from lightning_iocatch.store.shard_file import READABLE_CODES, dequantize, dtype_name, scale_name
 
 __all__ = [
     "CommittedShard",
@@ -45,17 +49,23 @@ __all__ = [
     "stored_batches",
 ]
 
-_TENSOR_NAME = re.compile(r"b(0|[1-9][0-9]*)/(.+)", re.ASCII | re.DOTALL)
+_TENSOR_NAME = re.compile(r"b(0|[1-9][0-9]*)(\.scale)?/(.+)", re.ASCII | re.DOTALL)
 # safetensors' dtype codes, by the names FeatureWriter records; F8_E8M0 is read, never written
 _DTYPES = {code: dtype_name(dtype) for code, dtype in READABLE_CODES.items()}
 
 
 class CommittedShard:
     """A committed shard with its record: its header is checked against the record once,
-    before any tensor is read from it; its ``__index__`` tensors against their summaries."""
+    before any tensor is read from it; its ``__index__`` tensors against their summaries.
 
-    def __init__(self, shard: Shard, entry: LedgerEntry) -> None:
-        self.shard, self.entry = shard, entry
+    ``dtype``: the floating dtype floating keys are read as (``None``: as stored, and
+    float32 for a key stored scaled, which is always read dequantized).
+    """
+
+    def __init__(self, shard: Shard, entry: LedgerEntry, dtype: torch.dtype | None = None) -> None:
+        if entry.record.codec is not None:
+            shard = CodedShard(shard)  # read as the tensors it was given
+        self.shard, self.entry, self.dtype = shard, entry, dtype
         self._checked = False
 
     @property
@@ -80,14 +90,42 @@ class CommittedShard:
             self.stored_keys()
 
     def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The tensors ``names`` (``b{j}/{key}``), whole."""
+        """The tensors ``names`` (``b{j}/{key}``), whole, in the dtype asked."""
         self._check()
-        return self.shard.read(names)
+        return self._decoded(names, self.shard.read([*names, *self._scales_of(names)]))
 
     def read_rows(self, names: Sequence[str], first: int, stop: int) -> dict[str, torch.Tensor]:
-        """Rows ``[first, stop)`` of the tensors ``names``."""
+        """Rows ``[first, stop)`` of the tensors ``names``, in the dtype asked."""
         self._check()
-        return self.shard.read_rows(names, first, stop)
+        read = self.shard.read_rows([*names, *self._scales_of(names)], first, stop)
+        return self._decoded(names, read)
+
+    def _scales_of(self, names: Sequence[str]) -> dict[str, str]:
+        """The scales' tensor name of each of ``names`` stored scaled."""
+        scaled = self.record.scaled
+        if not scaled:
+            return {}
+        found = {}
+        for name in names:
+            match = _TENSOR_NAME.fullmatch(name)
+            if match is not None and match.group(3) in scaled:
+                found[scale_name(int(match.group(1)), match.group(3))] = name
+        return found
+
+    def _decoded(
+        self, names: Sequence[str], read: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """``read`` with scaled tensors dequantized and floating ones cast to ``dtype``."""
+        scales = {name: scale for scale, name in self._scales_of(names).items()}
+        out = {}
+        for name in names:
+            tensor = read[name]
+            if name in scales:
+                tensor = dequantize(tensor, read[scales[name]], self.dtype or torch.float32)
+            elif self.dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(self.dtype)
+            out[name] = tensor
+        return out
 
     def spans(self) -> dict[str, Span]:
         """Where each tensor lies (the header, checked against the record first)."""
@@ -349,7 +387,11 @@ def check_header(
         match = _TENSOR_NAME.fullmatch(name)
         if match is None or int(match.group(1)) >= len(record.batches):
             raise damaged(f"it holds {name!r}, which the record has no batch for")
-        position, key = int(match.group(1)), match.group(2)
+        position, key = int(match.group(1)), match.group(3)
+        if match.group(2):
+            if key not in record.scaled:
+                raise damaged(f"it holds {name!r}, scales of a key the record does not scale")
+            continue  # checked with its key's tensor
         batch = record.batches[position]
         rows = batch.rows
         dtype = _DTYPES.get(code, code)
@@ -370,6 +412,12 @@ def check_header(
             raise damaged(f"{name!r} has shape {shape}, the record says {expected}")
         stored[position][key] = tuple(shape)
         seen.add(key)
+        if key in record.scaled:
+            found = header.get(scale_name(position, key))
+            if found is None or (found[0], list(found[1])) != ("F32", list(shape[:1])):
+                raise damaged(
+                    f"the scales of {name!r} are {found}, the record says F32 {list(shape[:1])}"
+                )
     for position, batch in enumerate(record.batches):
         if f"b{position}/{INDEX_KEY}" not in header:
             raise damaged(f"batch {position} has no {INDEX_KEY!r}")

@@ -122,7 +122,8 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
             the memory: each worker holds a batch.
         drop_last: yield only full batches (rows left out change with the epoch).
         with_indices: add each row's dataset index under ``"index"``.
-        dtype: cast floating keys to this floating dtype (default: as stored).
+        dtype: cast floating keys to this floating dtype (default: as stored; a key stored
+            in 8-bit floats with a scale per row is read dequantized, as float32 by default).
         incomplete: with several keys, ``"error"`` refuses samples lacking one of them;
             ``"skip"`` reads only the samples that have them all.
         on_duplicate: as :class:`~lightning_iocatch.FeatureStore`'s.
@@ -206,7 +207,10 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
                 )
             stored = getattr(torch, dtype)
             cast = self.dtype if self.dtype is not None and stored.is_floating_point else stored
-            columns[key] = Column(tuple(shape), cast, stored)
+            scaled = "scaled" in described["keys"][key]
+            if scaled:
+                cast = self.dtype or torch.float32
+            columns[key] = Column(tuple(shape), cast, stored, scaled)
         if self.with_indices:
             columns[INDEX] = Column((), torch.int64, torch.int64)
         return columns

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import queue
 import sys
@@ -37,7 +38,7 @@ from typing import IO, Any
 
 import torch
 
-from lightning_iocatch.checks import check_int
+from lightning_iocatch.checks import check_int, parse_dtype
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.location import open_backend
@@ -46,7 +47,14 @@ from lightning_iocatch.store.in_flight import ShardsInFlight
 from lightning_iocatch.store.names import FORMAT, INDEX_KEY, shard_name
 from lightning_iocatch.store.plan import StorePlan
 from lightning_iocatch.store.records import ShardRecord
-from lightning_iocatch.store.shard_file import dtype_name, write_safetensors
+from lightning_iocatch.store.shard_codec import check_codec, encode_tensors
+from lightning_iocatch.store.shard_file import (
+    SCALE_RULE,
+    STORABLE_DTYPES,
+    dtype_name,
+    scale_name,
+    write_safetensors,
+)
 from lightning_iocatch.store.tokens import TokenSelection
 
 __all__ = ["ShardWriter"]
@@ -60,7 +68,11 @@ class _Cancelled(Exception):
 
 
 def _serialize(
-    handle: IO[bytes], batches: list[SelectedBatch], rank: int, cancelled: threading.Event
+    handle: IO[bytes],
+    batches: list[SelectedBatch],
+    rank: int,
+    cancelled: threading.Event,
+    codec: str | None = None,
 ) -> tuple[int, int]:
     """Write a shard of ``batches`` (tensors ``b{position}/{key}``); return its CRC-32 and size.
 
@@ -76,10 +88,27 @@ def _serialize(
         for position, batch in enumerate(batches)
         for key, tensor in batch.tensors.items()
     }
+    scaled = _scaled(batches)
+    tensors.update(
+        (scale_name(position, key), scale)
+        for position, batch in enumerate(batches)
+        for key, scale in batch.scales.items()
+    )
     metadata = {"format": FORMAT, "rank": str(rank)}
+    if scaled:
+        metadata["scaled"] = json.dumps(scaled, sort_keys=True)
+    if codec is not None:
+        stop_if_cancelled()
+        tensors, described = encode_tensors(tensors, codec)
+        metadata.update(described)
     return write_safetensors(
         handle, tensors, metadata, chunk_bytes=_CHUNK, before_chunk=stop_if_cancelled
     )
+
+
+def _scaled(batches: list[SelectedBatch]) -> dict[str, str]:
+    """The keys stored with a scale per row, with their rule (see :mod:`.shard_file`)."""
+    return {key: SCALE_RULE for batch in batches for key in batch.scales}
 
 
 def _shapes(batches: list[SelectedBatch]) -> dict[str, list[int] | None]:
@@ -106,10 +135,15 @@ class ShardWriter:
         queue_size: batches waiting for the writer thread before :meth:`write` blocks.
         durable: fsync each shard and the directory before its ledger line is written
             (local stores; on object storage a completed upload is durable).
-        dtype: cast floating tensors to this dtype for storage.
+        dtype: cast floating tensors to this dtype (or its name) for storage; an 8-bit
+            float (``"float8_e4m3fn"``) stores them with a float32 scale per row (see
+            :mod:`~lightning_iocatch.store.shard_file`), read back dequantized.
         shards_in_flight: shards written at once (default: 4 on object storage, 1 on disk);
             the memory bound grows with it (see the module docstring).
         storage_options: fsspec options for a URL ``path`` (credentials, endpoint).
+        codec: ``"zstd"`` compresses each shard's tensors losslessly, in blocks of whole
+            rows that a reader decodes only where it reads (see
+            :mod:`~lightning_iocatch.store.shard_codec`); ``None`` (default) for none.
 
     The thread starts with the first batch. Call :meth:`close` at the end (it writes what
     is queued and raises the thread's error, if any) or :meth:`abort` to stop at once.
@@ -139,9 +173,10 @@ class ShardWriter:
         max_shard_bytes: int = 256 << 20,
         queue_size: int = 4,
         durable: bool = True,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         shards_in_flight: int | None = None,
+        codec: str | None = None,
     ) -> None:
         if sys.byteorder != "little":
             raise StoreError("the feature store format is little-endian; this machine is not")
@@ -152,8 +187,11 @@ class ShardWriter:
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
         self.durable = durable
-        self.dtype = dtype
-        self._rows = RowSelector(plan, dtype)
+        self.dtype = parse_dtype("dtype", dtype)
+        if self.dtype is not None and self.dtype not in STORABLE_DTYPES:
+            raise ValueError(f"`dtype` {dtype!r} is a dtype safetensors cannot store")
+        self._rows = RowSelector(plan, self.dtype)
+        self.codec = check_codec(codec)
         self._next_seq = plan.next_seq.get(rank, 0)
         self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
         self._cancel = threading.Event()
@@ -337,10 +375,10 @@ class ShardWriter:
         def write() -> None:
             crc, size = self.backend.write_shard(
                 name,
-                lambda handle: _serialize(handle, batches, self.rank, self._cancel),
+                lambda handle: _serialize(handle, batches, self.rank, self._cancel, self.codec),
                 durable=self.durable,
             )
-            record = _record(name, self.rank, crc, size, batches)
+            record = _record(name, self.rank, crc, size, batches, self.codec)
             self.backend.commit(record, durable=self.durable)
             with self._counts:
                 self._committed.append(record)
@@ -372,7 +410,9 @@ def _check_token_keys(
         )
 
 
-def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBatch]) -> ShardRecord:
+def _record(
+    name: str, rank: int, crc: int, size: int, batches: list[SelectedBatch], codec: str | None
+) -> ShardRecord:
     """The ledger line (or commit record) of a shard of ``batches``."""
     skipped: dict[str, str] = {}
     for batch in batches:
@@ -399,6 +439,8 @@ def _record(name: str, rank: int, crc: int, size: int, batches: list[SelectedBat
         shapes=_shapes(batches),
         per_batch=tuple(sorted(set().union(*(batch.per_batch for batch in batches)))),
         skipped=skipped,
+        scaled=_scaled(batches),
+        codec=codec,
     )
 
 

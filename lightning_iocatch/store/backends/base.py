@@ -115,6 +115,15 @@ class Shard(ABC):
     def crc32(self) -> int:
         """The CRC-32 of all of the shard's bytes (reads every byte)."""
 
+    @abstractmethod
+    def metadata(self) -> dict[str, str]:
+        """The safetensors header's ``__metadata__`` (read with the header, once)."""
+
+    @abstractmethod
+    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """The bytes ``[start, end)`` of each of ``ranges`` (absolute, in the shard), read
+        together (one request per run of close ranges on object storage)."""
+
 
 class StoreBackend(ABC):
     """Where a store lives, with the operations every part of the store needs.

@@ -59,6 +59,7 @@ from lightning_iocatch.store.backends.safetensors_layout import (
     Span,
     byte_rows,
     header_length,
+    header_metadata,
     parse_header,
     row_range,
     to_tensor,
@@ -86,6 +87,7 @@ class LocalShard(Shard):
     def __init__(self, path: Path) -> None:
         self.path, self.name = path, path.name
         self._spans: dict[str, Span] | None = None
+        self._metadata: dict[str, str] | None = None
 
     def __str__(self) -> str:
         return str(self.path)
@@ -98,8 +100,23 @@ class LocalShard(Shard):
                 length = header_length(os.pread(fd, 8, 0), str(self))
                 if 8 + length > size:
                     raise StoreError(f"shard {self} is corrupted: its header runs past its end")
-                self._spans = parse_header(os.pread(fd, length, 8), size, str(self))
+                raw = os.pread(fd, length, 8)
+                self._spans = parse_header(raw, size, str(self))
+                self._metadata = header_metadata(raw, str(self))
         return self._spans
+
+    def metadata(self) -> dict[str, str]:
+        self.spans  # noqa: B018 (reads the header once)
+        assert self._metadata is not None
+        return self._metadata
+
+    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """One ``pread`` per range."""
+        with self._file() as fd:
+            data = [memoryview(os.pread(fd, end - start, start)) for start, end in ranges]
+        if any(len(raw) != end - start for raw, (start, end) in zip(data, ranges, strict=True)):
+            raise StoreError(f"shard {self} changed while it was read")
+        return data
 
     def header(self) -> dict[str, tuple[str, list[int]]]:
         return {name: (span.code, list(span.shape)) for name, span in self.spans.items()}

@@ -29,6 +29,7 @@ from lightning_iocatch.store.backends.object_location import (
 from lightning_iocatch.store.backends.safetensors_layout import (
     Span,
     header_length,
+    header_metadata,
     parse_header,
     row_range,
     to_tensor,
@@ -100,6 +101,7 @@ class RemoteShard(Shard):
         self.size, self.where = entry.record.bytes, entry.where  # as its record says
         self._guess = min(guess, self.size)  # bytes that likely hold the whole header
         self._spans: dict[str, Span] | None = None
+        self._metadata: dict[str, str] = {}
         self._checked = checked  # its size was seen in a listing
 
     def check_size(self) -> None:
@@ -131,6 +133,13 @@ class RemoteShard(Shard):
 
     def header(self) -> dict[str, tuple[str, list[int]]]:
         return {name: (span.code, list(span.shape)) for name, span in self.spans.items()}
+
+    def metadata(self) -> dict[str, str]:
+        self.spans  # noqa: B018 (reads the header once)
+        return self._metadata
+
+    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        return _fetch_from([self], [(self.name, start, end) for start, end in ranges])
 
     def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         return self._read(names, [self.spans[name] for name in names])
@@ -213,3 +222,4 @@ def load_headers(shards: Sequence[RemoteShard]) -> None:
             head += bytes(next(rest))
         where = location.url_of(shard.name)
         shard._spans = parse_header(head[8 : 8 + length], shard.size, where)
+        shard._metadata = header_metadata(head[8 : 8 + length], where)

@@ -23,6 +23,7 @@ from lightning_iocatch.store.shard_file import READABLE_CODES
 __all__ = [
     "Span",
     "header_length",
+    "header_metadata",
     "parse_header",
     "byte_rows",
     "row_range",
@@ -71,6 +72,18 @@ def parse_header(raw: bytes, size: int, where: str) -> dict[str, Span]:
     except (ValueError, KeyError, TypeError) as error:
         raise StoreError(f"shard {where} is corrupted: its header is damaged ({error})") from error
     return spans
+
+
+def header_metadata(raw: bytes, where: str) -> dict[str, str]:
+    """The ``__metadata__`` of a shard whose JSON header is ``raw`` (checked by
+    :func:`parse_header` first)."""
+    try:
+        metadata = json.loads(raw.decode("utf-8")).get("__metadata__") or {}
+        if not isinstance(metadata, dict):
+            raise ValueError("its metadata is not an object")
+    except (ValueError, AttributeError) as error:
+        raise StoreError(f"shard {where} is corrupted: its header is damaged ({error})") from error
+    return metadata
 
 
 def row_range(span: Span, first: int, stop: int) -> Span:

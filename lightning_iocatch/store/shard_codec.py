@@ -1,0 +1,189 @@
+"""A lossless codec over a shard's tensors: blocks of whole rows, each compressed on its own.
+
+A shard written with ``codec="zstd"`` is still a safetensors file, whose tensors are the
+coded ones: each tensor ``name`` is stored as a ``U8`` tensor of that name holding its
+blocks' zstd frames one after the other. A block is ``rows`` whole rows (the tensor's first
+dimension; a 0-d tensor is one block), about :data:`BLOCK_BYTES` uncompressed, so that a
+read of some rows (a ranged request on object storage) fetches and decodes only the blocks
+holding them. With ``shuffle`` (on for elements wider than a byte) a block's bytes are
+reordered by byte plane before compression (every element's first byte, then every
+second byte, ...): the exponent bytes of floats then lie together, which zstd compresses
+much better. The shard's metadata ``codec`` (JSON) gives, per tensor, its dtype code,
+shape, rows per block and each block's compressed size.
+
+Each frame carries zstd's checksum of its content (XXH64), and its decoded size is
+checked: a damaged block is refused (:class:`~lightning_iocatch.StoreError` naming the
+shard, tensor and block), never decoded into garbage. zstd comes from the maintained
+``zstandard`` package (``pip install lightning-iocatch[zstd]``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_iocatch.errors import StoreError
+from lightning_iocatch.store.shard_file import READABLE_CODES, STORABLE_DTYPES
+
+__all__ = [
+    "BLOCK_BYTES",
+    "CODECS",
+    "CodedTensor",
+    "check_codec",
+    "decode_block",
+    "encode_tensors",
+    "parse_codec",
+]
+
+CODECS = ("zstd",)
+"""The lossless codecs a shard can be written with."""
+
+BLOCK_BYTES = 1 << 20
+"""About how many uncompressed bytes a block holds (whole rows, at least one)."""
+
+_LEVEL = 1  # level 3 measured slower and no smaller on shuffled float activations
+_META = "codec"
+
+
+def check_codec(value: Any) -> str | None:
+    """``value`` as a codec name, or ``None``; a ``ValueError`` naming the allowed values,
+    an ``ImportError`` naming the package to install when its library is missing."""
+    if value is None:
+        return None
+    if value not in CODECS:
+        raise ValueError(f"`codec` must be one of {CODECS} or None, got {value!r}")
+    _zstd()
+    return str(value)
+
+
+def _zstd() -> ModuleType:
+    try:
+        import zstandard
+    except ImportError as error:
+        raise ImportError(
+            "codec='zstd' needs the `zstandard` package, which is not installed: "
+            "pip install lightning-iocatch[zstd]"
+        ) from error
+    return zstandard
+
+
+@dataclass(frozen=True)
+class CodedTensor:
+    """One coded tensor: its dtype code and shape as written, rows per block, and each
+    block's compressed size."""
+
+    code: str
+    shape: tuple[int, ...]
+    rows: int
+    sizes: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (of the whole tensor, for a 0-d one)."""
+        return math.prod(self.shape[1:]) * READABLE_CODES[self.code].itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * READABLE_CODES[self.code].itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Uncompressed bytes of a full block."""
+        return self.rows * self.row_bytes if self.shape else self.nbytes
+
+    def block_size(self, block: int) -> int:
+        """Uncompressed bytes of ``block`` (the last may be shorter)."""
+        return min(self.block_bytes, self.nbytes - block * self.block_bytes)
+
+
+def encode_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    codec: str,
+    *,
+    shuffle: bool = True,
+    block_bytes: int | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``tensors`` coded (``U8`` tensors of the same names) and the shard metadata that
+    describes them (see the module docstring); blocks of about ``block_bytes``
+    (default :data:`BLOCK_BYTES`)."""
+    block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
+    compressor = _zstd().ZstdCompressor(level=_LEVEL, write_checksum=True)
+    coded, described = {}, {}
+    for name, tensor in tensors.items():
+        data = tensor.reshape(-1).view(torch.uint8).numpy()
+        itemsize = tensor.element_size()
+        row = math.prod(tensor.shape[1:]) * itemsize if tensor.dim() else len(data)
+        rows = max(1, block_bytes // row) if row and tensor.dim() else 1
+        step = rows * row  # 0 only for a tensor of no bytes: one empty block
+        frames = []
+        for start in range(0, len(data), step) if len(data) else [0]:
+            block = data[start : start + step]
+            if shuffle and itemsize > 1:
+                block = block.reshape(-1, itemsize).T
+            frames.append(compressor.compress(np.ascontiguousarray(block).data))
+        blob = bytearray(b"".join(frames))  # never empty: a frame has a header
+        coded[name] = torch.frombuffer(blob, dtype=torch.uint8)
+        described[name] = {
+            "dtype": STORABLE_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "rows": rows,
+            "sizes": [len(frame) for frame in frames],
+        }
+    meta = {"name": codec, "shuffle": shuffle, "tensors": described}
+    return coded, {_META: json.dumps(meta, separators=(",", ":"), sort_keys=True)}
+
+
+def parse_codec(metadata: Mapping[str, str], where: str) -> tuple[bool, dict[str, CodedTensor]]:
+    """``(shuffle, coded tensors by name)`` from a coded shard's metadata; damage is a
+    :class:`StoreError` naming ``where``."""
+    try:
+        meta = json.loads(metadata[_META])
+        if meta["name"] not in CODECS:
+            raise ValueError(f"an unknown codec {meta['name']!r}")
+        _zstd()
+        tensors = {
+            name: CodedTensor(
+                str(info["dtype"]),
+                tuple(int(d) for d in info["shape"]),
+                int(info["rows"]),
+                tuple(int(s) for s in info["sizes"]),
+            )
+            for name, info in meta["tensors"].items()
+        }
+        for name, info in tensors.items():
+            if info.code not in READABLE_CODES or info.rows < 1:
+                raise ValueError(f"{name!r} has dtype {info.code!r} and {info.rows} rows a block")
+            blocks = max(1, -(-info.nbytes // info.block_bytes)) if info.block_bytes else 1
+            if len(info.sizes) != blocks:
+                raise ValueError(f"{name!r} has {len(info.sizes)} blocks, its shape needs {blocks}")
+        return bool(meta["shuffle"]), tensors
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        message = f"shard {where} is corrupted: its codec metadata is damaged ({error})"
+        raise StoreError(message) from error
+
+
+def decode_block(
+    raw: bytes | memoryview, info: CodedTensor, block: int, shuffle: bool, where: str
+) -> np.ndarray:
+    """The uncompressed bytes of ``block`` of a tensor (``where`` names the shard, tensor and
+    block in errors): checked against the frame's checksum and the block's size."""
+    zstandard = _zstd()
+    size = info.block_size(block)
+    try:
+        data = zstandard.ZstdDecompressor().decompress(raw, max_output_size=size)
+    except zstandard.ZstdError as error:
+        raise StoreError(f"{where} is damaged: it cannot be decoded ({error})") from None
+    if len(data) != size:
+        raise StoreError(f"{where} is damaged: it decodes to {len(data)} bytes, not {size}")
+    array = np.frombuffer(data, dtype=np.uint8)
+    itemsize = READABLE_CODES[info.code].itemsize
+    if shuffle and itemsize > 1 and size:
+        array = np.ascontiguousarray(array.reshape(itemsize, -1).T).reshape(-1)
+    return array

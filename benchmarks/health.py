@@ -222,7 +222,7 @@ def breakdown(lm: LM, spec: str, steps: int, clock: Callable[[], float]) -> dict
     return {"step": step * 1000, **{k: v / (steps + 1) * 1000 for k, v in spent.items()}}
 
 
-def profile(lm: LM, steps: int) -> None:
+def profile(lm: LM, steps: int, baseline: bool = False) -> None:
     """Where a watched step's time goes: the monitor's parts (outputs, and with the
     gradients), then torch.profiler of each kind of training, and cProfile with gradients."""
     import cProfile
@@ -235,8 +235,16 @@ def profile(lm: LM, steps: int) -> None:
     print("| spec | step | at batch start | at batch end | of which `self.log` | statistics "
           "of outputs | of gradients | gradient copies (attach) | collect |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, spec in (("outputs", SPEC), ("with gradients", GRAD_SPEC)):
-        p = breakdown(lm, spec, steps, time.process_time)
+    runs = [("outputs", SPEC), ("with gradients", GRAD_SPEC)]
+    for name, spec in runs + ([(f"{n}, old statistics", s) for n, s in runs] if baseline else []):
+        old = Baseline() if "old" in name else None
+        if old is not None:
+            old.setup()
+        try:
+            p = breakdown(lm, spec, steps, time.process_time)
+        finally:
+            if old is not None:
+                old.teardown()
         print(f"| {name} | {p['step']:.0f} | {p['batch_start']:.1f} | {p['batch_end']:.1f} | "
               f"{p['log']:.1f} | {p['outputs']:.1f} | {p['grad_outputs']:.1f} | "
               f"{p['attach']:.1f} | {p['collect']:.1f} |")  # fmt: skip
@@ -282,7 +290,7 @@ def main() -> None:
     repeats = args.rounds or (1 if args.quick else 4)
     lm = LM()
     if args.profile:
-        profile(lm, steps)
+        profile(lm, steps, args.baseline)
         return
     clock = CLOCKS[args.clock]
     samples = rounds(lm, monitors(args.baseline), steps, repeats, clock)

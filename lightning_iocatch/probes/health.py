@@ -55,9 +55,7 @@ def health_statistics(
     the centred sums within a relative ``1e-6``; max ``|x|`` and the counts exact. Smaller
     tensors are read in float64 (the same figures as float64 arithmetic, to rounding).
     """
-    values = tensor.detach()
-    if rows is not None:
-        values = values[rows.to(values.device)]
+    values = _selected(tensor.detach(), rows)
     units = values.shape[-1] if values.dim() else 1
     values = values.reshape(-1, units)
     if values.numel() <= _SMALL:  # float64 arithmetic costs nothing here: exact figures
@@ -86,6 +84,23 @@ def health_statistics(
     if not histogram:
         return torch.cat([head, nonzero])
     return torch.cat([head, _histogram(finite, nan + inf), nonzero])
+
+
+def _selected(values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The rows of ``values`` that ``rows`` keeps (all of them, on the CPU, when it keeps
+    every one: no copy), along a flattened first dimension."""
+    if rows is None:
+        return values
+    if rows.dim() == 0 or tuple(rows.shape) != tuple(values.shape[: rows.dim()]):
+        raise ValueError(
+            f"`rows` of shape {tuple(rows.shape)} is not a mask over the leading dimensions "
+            f"of a tensor of shape {tuple(values.shape)}: give one of shape "
+            f"{tuple(values.shape[:2])} (batch, sequence), or None"
+        )
+    if rows.device.type == "cpu" and bool(rows.all()):
+        return values
+    places = rows.to(values.device).reshape(-1).nonzero().squeeze(1)
+    return values.flatten(0, rows.dim() - 1).index_select(0, places)  # faster than values[rows]
 
 
 def _all_finite(low: torch.Tensor, high: torch.Tensor) -> bool:

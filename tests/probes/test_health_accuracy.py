@@ -115,20 +115,40 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return request.param
 
 
+def array(x: torch.Tensor) -> np.ndarray:
+    """``x`` in float64 for NumPy, at least one-dimensional."""
+    return x.double().reshape(x.shape or (1,)).numpy()
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_statistics_equal_numpy_float64(case: str, path: str) -> None:
     x = CASES[case]()
-    check(health_statistics(x), x.double().numpy() if x.dim() else x.double().numpy()[None])
+    check(health_statistics(x), array(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", CASES)
+def test_statistics_on_a_gpu_equal_numpy_float64(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(health, "_SMALL", 0)  # float32 arithmetic, whatever the size
+    x = CASES[case]()
+    check(health_statistics(x.cuda()).cpu(), array(x))
 
 
 def test_masked_rows_and_empty_selection(path: str) -> None:
     x = with_nonfinite(1e4 + normal((4, 30, 16)))
     rows = torch.arange(30)[None, :] < torch.tensor([[30], [7], [0], [19]])
     check(health_statistics(x, rows), x[rows].double().numpy())
+    every = torch.ones(4, 30, dtype=torch.bool)  # on the CPU: the tensor as it is
+    check(health_statistics(x, every), x.double().numpy())
     none = torch.zeros(4, 30, dtype=torch.bool)
     vector = health_statistics(x, none)
     check(vector, np.zeros((0, 16)))
     assert HealthFigures.of(vector).count == 0 and math.isnan(HealthFigures.of(vector).mean)
+    with pytest.raises(ValueError, match=r"`rows` of shape \(4, 29\) is not a mask"):
+        health_statistics(x, every[:, 1:])
 
 
 def test_histogram_places_values_at_the_edges(path: str) -> None:

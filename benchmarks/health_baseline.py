@@ -53,9 +53,9 @@ def float64_statistics(
 class Baseline(pl.Callback):
     """For one ``fit``: the monitor's statistics by :func:`float64_statistics` (the old)."""
 
-    def setup(self, *args: Any) -> None:
+    def setup(self, *args: Any, **kwargs: Any) -> None:
         self.kept = health_monitor.health_statistics
         health_monitor.health_statistics = float64_statistics
 
-    def teardown(self, *args: Any) -> None:
+    def teardown(self, *args: Any, **kwargs: Any) -> None:
         health_monitor.health_statistics = self.kept

@@ -100,6 +100,7 @@ CASES = {
     "bfloat16, non-finite": lambda: with_nonfinite(3 + normal((64, 128))).bfloat16(),
     "float64": lambda: 1e6 + normal((16, 16)).double(),
     "beyond 65,536 values, non-finite": lambda: with_nonfinite(1e4 + 3 * normal((80, 1024))),
+    "one row of 100,000 values": lambda: 1e3 + normal((100_000,)),
     "one value": lambda: torch.tensor(2.5),
     "all NaN": lambda: torch.full((3, 4), float("nan")),
     "all equal": lambda: torch.full((5, 7), 1e4 + 0.1),

@@ -40,6 +40,7 @@ the unwatched steps taken as free (the ``every50`` row checks that, within its n
     python benchmarks/health.py --quick
     python benchmarks/health.py --direct                 # also the 100-step runs: 10 min
     python benchmarks/health.py --profile                # where a watched step's time goes
+    python benchmarks/health.py --baseline               # also the old statistics, same run
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from common import run_facts, spread
+from health_baseline import Baseline
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import lightning_iocatch.lightning.health_monitor as health_monitor
+from lightning_iocatch.capture.gradients import GradientSites
 from lightning_iocatch.lightning.health_monitor import ActivationMonitor
 
 BATCH, SEQ = 8, 128
@@ -118,13 +122,17 @@ class StepTimer(pl.Callback):
         return [b - a for a, b in zip(self.marks[1:-1], self.marks[2:], strict=True)]
 
 
-def monitors() -> dict[str, Callable[[], list[pl.Callback]]]:
-    return {
+def monitors(baseline: bool = False) -> dict[str, Callable[[], list[pl.Callback]]]:
+    variants: dict[str, Callable[[], list[pl.Callback]]] = {
         "off": lambda: [],
         "watched": lambda: [ActivationMonitor(SPEC, every_n_steps=1)],
         "grads": lambda: [ActivationMonitor(GRAD_SPEC, every_n_steps=1)],
         "every50": lambda: [ActivationMonitor(SPEC, every_n_steps=50)],
     }
+    if baseline:
+        variants["watched_old"] = lambda: [Baseline(), ActivationMonitor(SPEC, every_n_steps=1)]
+        variants["grads_old"] = lambda: [Baseline(), ActivationMonitor(GRAD_SPEC, every_n_steps=1)]
+    return variants
 
 
 def fit(lm: LM, callbacks: list[pl.Callback], steps: int, clock: Callable[[], float]) -> float:
@@ -152,7 +160,9 @@ def rounds(
     return samples
 
 
-def alternating(lm: LM, spec: str, steps: int, clock: Callable[[], float]) -> list[float]:
+def alternating(
+    lm: LM, spec: str, steps: int, clock: Callable[[], float], old: bool = False
+) -> list[float]:
     """One ``fit`` watched every other step (``every_n_steps=2``): each watched step's time
     over the mean of its two unwatched neighbours' (steps 2, 4, ... of steps 1 to
     ``steps - 1``): pairs a second apart, so a shared machine's drift mostly cancels."""
@@ -160,7 +170,8 @@ def alternating(lm: LM, spec: str, steps: int, clock: Callable[[], float]) -> li
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False,
-                         callbacks=[timer, ActivationMonitor(spec, every_n_steps=2)])  # fmt: skip
+                         callbacks=[timer, *([Baseline()] if old else []),
+                                    ActivationMonitor(spec, every_n_steps=2)])  # fmt: skip
     trainer.fit(lm, DataLoader(FixedBatch(steps), batch_size=None))
     took = timer.steps()  # took[i]: step i + 1
     return [took[s - 1] / ((took[s - 2] + took[s]) / 2) for s in range(2, steps - 1, 2)]
@@ -170,65 +181,84 @@ def over(samples: dict[str, list[float]], name: str) -> list[float]:
     return [t / b for t, b in zip(samples[name], samples["off"], strict=True)]
 
 
-def breakdown(lm: LM, steps: int, clock: Callable[[], float]) -> dict[str, float]:
+def breakdown(lm: LM, spec: str, steps: int, clock: Callable[[], float]) -> dict[str, float]:
     """Milliseconds a watched step spends in the monitor's parts: its hooks at the step's
-    start and end, the statistics of the captured tensors, the ``self.log`` calls; and the
-    whole step. The parts are timed by wrapping them (benchmark only: a private method)."""
-    import lightning_iocatch.lightning.health_monitor as health_monitor
+    start and end, the statistics of the captured outputs and gradients, the gradient
+    sites' copies in the forward (``GradientSites.attach``) and their collection, the
+    ``self.log`` calls; and the whole step. The parts are timed by wrapping them (benchmark
+    only: private methods)."""
+    parts = ("batch_start", "batch_end", "outputs", "grad_outputs", "attach", "collect", "log")
+    spent = dict.fromkeys(parts, 0.0)
 
-    spent = {"batch_start": 0.0, "batch_end": 0.0, "statistics": 0.0, "log": 0.0}
-
-    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(fn: Callable[..., Any], name: Callable[..., str]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             start = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[name] += clock() - start
+                spent[name(*args)] += clock() - start
 
         return wrapper
 
-    monitor = ActivationMonitor(SPEC, every_n_steps=1)
+    monitor = ActivationMonitor(spec, every_n_steps=1)
     for hook in ("batch_start", "batch_end"):
         name = f"on_train_{hook}"
-        setattr(monitor, name, timed(hook, getattr(monitor, name)))
-    capture = health_monitor._Statistics.capture
-    health_monitor._Statistics.capture = timed("statistics", capture)  # type: ignore[method-assign]
-    lm.log = timed("log", lm.log)  # type: ignore[method-assign]
+        setattr(monitor, name, timed(getattr(monitor, name), lambda *a, h=hook: h))
+    patched = [
+        (health_monitor._Statistics, "capture", lambda s, tensor, site: site.kind),
+        (GradientSites, "attach", lambda *a: "attach"),
+        (GradientSites, "collect", lambda *a: "collect"),
+    ]
+    kept = [getattr(owner, name) for owner, name, _ in patched]
+    for owner, name, key in patched:
+        setattr(owner, name, timed(getattr(owner, name), key))
+    lm.log = timed(lm.log, lambda *a: "log")  # type: ignore[method-assign]
     try:
         step = fit(lm, [monitor], steps + 1, clock)
     finally:
-        health_monitor._Statistics.capture = capture  # type: ignore[method-assign]
+        for (owner, name, _), original in zip(patched, kept, strict=True):
+            setattr(owner, name, original)
         del lm.log
     return {"step": step * 1000, **{k: v / (steps + 1) * 1000 for k, v in spent.items()}}
 
 
-def profile(lm: LM, steps: int) -> None:
-    """Where a watched step's time goes: the monitor's parts, then torch.profiler of
-    watched training against unwatched, and cProfile of the watched."""
+def profile(lm: LM, steps: int, baseline: bool = False) -> None:
+    """Where a watched step's time goes: the monitor's parts (outputs, and with the
+    gradients), then torch.profiler of each kind of training, and cProfile with gradients."""
     import cProfile
     import pstats
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    parts = breakdown(lm, steps, time.process_time)
     print(f"\n## A watched step's parts, ms (CPU clock, mean of {steps} steps)\n")
-    print("| step | monitor at batch start | at batch end | of which `self.log` | "
-          "statistics (in the forward/backward) |\n|---|---|---|---|---|")  # fmt: skip
-    print(f"| {parts['step']:.0f} | {parts['batch_start']:.1f} | {parts['batch_end']:.1f} | "
-          f"{parts['log']:.1f} | {parts['statistics']:.1f} |")  # fmt: skip
-    for name in ("off", "watched"):
+    print("| spec | step | at batch start | at batch end | of which `self.log` | statistics "
+          "of outputs | of gradients | gradient copies (attach) | collect |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    runs = [("outputs", SPEC), ("with gradients", GRAD_SPEC)]
+    for name, spec in runs + ([(f"{n}, old statistics", s) for n, s in runs] if baseline else []):
+        old = Baseline() if "old" in name else None
+        if old is not None:
+            old.setup()
+        try:
+            p = breakdown(lm, spec, steps, time.process_time)
+        finally:
+            if old is not None:
+                old.teardown()
+        print(f"| {name} | {p['step']:.0f} | {p['batch_start']:.1f} | {p['batch_end']:.1f} | "
+              f"{p['log']:.1f} | {p['outputs']:.1f} | {p['grad_outputs']:.1f} | "
+              f"{p['attach']:.1f} | {p['collect']:.1f} |")  # fmt: skip
+    for name in ("off", "watched", "grads"):
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             fit(lm, monitors()[name](), steps, time.perf_counter)
         print(f"\n## torch.profiler, {name} ({steps} steps)\n")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     profiler = cProfile.Profile()
     profiler.enable()
-    fit(lm, monitors()["watched"](), steps, time.perf_counter)
+    fit(lm, monitors()["grads"](), steps, time.perf_counter)
     profiler.disable()
-    print(f"\n## cProfile, watched ({steps} steps), the monitor's functions\n")
-    pstats.Stats(profiler).sort_stats("cumulative").print_stats("iocatch|module.py.*[(]log[)]", 15)
+    print(f"\n## cProfile, grads ({steps} steps), the monitor's functions\n")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats("iocatch|module.py.*[(]log[)]", 20)
 
 
 def main() -> None:
@@ -236,6 +266,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--direct", action="store_true", help="also 101-step runs, N=50")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--baseline", action="store_true",
+        help="also the monitor with the statistics as they were (float64 copies), same run",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=0, help="steps a fit (default 8; 4 quick)")
     parser.add_argument("--rounds", type=int, default=0, help="rounds (default 4; 1 quick)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -256,15 +290,18 @@ def main() -> None:
     repeats = args.rounds or (1 if args.quick else 4)
     lm = LM()
     if args.profile:
-        profile(lm, steps)
+        profile(lm, steps, args.baseline)
         return
     clock = CLOCKS[args.clock]
-    samples = rounds(lm, monitors(), steps, repeats, clock)
+    samples = rounds(lm, monitors(args.baseline), steps, repeats, clock)
     watched, every50 = over(samples, "watched"), over(samples, "every50")
-    paired = {name: [] for name in ("outputs", "grads")}  # type: ignore[var-annotated]
+    kinds = [("outputs", SPEC, False), ("grads", GRAD_SPEC, False)]
+    if args.baseline:
+        kinds += [("outputs_old", SPEC, True), ("grads_old", GRAD_SPEC, True)]
+    paired = {name: [] for name, _, _ in kinds}  # type: ignore[var-annotated]
     for _ in range(2):
-        for name, spec in (("outputs", SPEC), ("grads", GRAD_SPEC)):
-            paired[name] += alternating(lm, spec, 2 * steps + 1, clock)
+        for name, spec, old in kinds:
+            paired[name] += alternating(lm, spec, 2 * steps + 1, clock, old)
     rows = {
         "paired": spread(paired["outputs"]),
         "paired_mean": statistics.fmean(paired["outputs"]),
@@ -278,6 +315,16 @@ def main() -> None:
         "every50": spread(every50),
         "average50": spread([(w + 49 * u) / 50 for w, u in zip(watched, every50, strict=True)]),
     }
+    if args.baseline:
+        rows["old"] = {
+            "watched": spread(over(samples, "watched_old")),
+            "grads": spread(over(samples, "grads_old")),
+            "paired": spread(paired["outputs_old"]),
+            "paired_mean": statistics.fmean(paired["outputs_old"]),
+            "paired_grads": spread(paired["grads_old"]),
+            "paired_grads_mean": statistics.fmean(paired["grads_old"]),
+            "paired_average50": (statistics.fmean(paired["outputs_old"]) + 49) / 50,
+        }
     if args.direct:
         direct = {name: monitors()[name] for name in ("off", "every50")}
         long = rounds(lm, direct, 101, max(1, repeats // 4), clock, warm_up=False)
@@ -324,6 +371,24 @@ def markdown(facts: dict[str, Any], r: dict[str, Any]) -> str:
         "| **average over a run, `every_n_steps=50`** (goal <= 1.01x), computed: (mean + 49) "
         f"/ 50, unwatched steps taken as free | {r['paired_average50']:.4f}x |",
     ]
+    if "old" in r:
+        o = r["old"]
+        lines += [
+            "",
+            "Baseline, same run: the monitor with the statistics as they were (`--baseline`: "
+            "`float64_statistics`, a float64 copy of every tensor):",
+            "",
+            "| with the old statistics | median (min to max) |",
+            "|---|---|",
+            f"| a watched step / without the monitor, same round | {cell(o['watched'])} |",
+            f"| with gradients / without the monitor, same round | {cell(o['grads'])} |",
+            f"| a watched step / its unwatched neighbours | {cell(o['paired'])}; "
+            f"{o['paired_mean']:.3f}x |",
+            f"| with gradients / its unwatched neighbours | {cell(o['paired_grads'])}; "
+            f"{o['paired_grads_mean']:.3f}x |",
+            f"| average over a run, `every_n_steps=50`, (paired mean + 49) / 50 | "
+            f"{o['paired_average50']:.4f}x |",
+        ]
     return "\n".join(lines)
 
 

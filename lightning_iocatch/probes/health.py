@@ -33,6 +33,10 @@ _MAX = 5  # the place of absmax: taken as a maximum, every other place is added
 EDGES = tuple(10.0 ** (k / 4) for k in range(-24, 13))
 """The edges of the histogram of ``|x|`` (``1e-6`` to ``1e3``, 4 bins a decade): with the
 values below the first and above the last, ``len(EDGES) + 1`` counts."""
+_SMALL = 2**16
+"""Tensors of at most this many values are read in float64 (a copy of 512 KiB at most)."""
+_LAYOUT = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
+"""A dtype's integer of its size, mantissa bits and exponent bias."""
 
 
 def health_statistics(
@@ -43,37 +47,134 @@ def health_statistics(
     unit).
 
     ``rows``: a bool mask over the tensor's leading dimensions; only those rows count.
+    A tensor of more than 65,536 values is read in its own dtype (float16 and
+    bfloat16 widened to float32), not copied to float64: the centred powers are taken in
+    float32 of the values scaled by a power of two (no overflow at ``1e20``, no underflow
+    at ``1e-20``), summed along the last dimension in float32 and across it in float64.
+    Against float64 arithmetic: the mean within ``1e-6`` of the RMS, RMS, kurtosis and
+    the centred sums within a relative ``1e-6``; max ``|x|`` and the counts exact. Smaller
+    tensors are read in float64 (the same figures as float64 arithmetic, to rounding).
     """
-    values = tensor.detach()
-    if rows is not None:
-        values = values[rows.to(values.device)]
+    values = _selected(tensor.detach(), rows)
     units = values.shape[-1] if values.dim() else 1
     values = values.reshape(-1, units)
-    finite = torch.isfinite(values)
-    wide = torch.where(finite, values, 0).double()
-    count = finite.sum().double()
-    mean = wide.sum() / count.clamp(min=1)
-    centred = torch.where(finite, wide - mean, 0)
-    square = centred * centred
-    head = torch.stack(
-        [
-            count,
-            mean,
-            square.sum(),
-            (square * centred).sum(),
-            (square * square).sum(),
-            wide.abs().max() if wide.numel() else wide.new_zeros(()),
-            torch.isnan(values).sum().double(),
-            torch.isinf(values).sum().double(),
-        ]
-    )
-    nonzero = ((values != 0) & finite).sum(0).double()  # a NaN is not activity
+    if values.numel() <= _SMALL:  # float64 arithmetic costs nothing here: exact figures
+        values = values.double()
+    elif values.dtype not in _LAYOUT:
+        values = values.float()  # float16 and bfloat16: their powers would overflow
+    if not values.numel():
+        head = values.new_zeros(HEAD, dtype=torch.float64)
+        counts = values.new_zeros(len(EDGES) + 1 if histogram else 0, dtype=torch.float64)
+        return torch.cat([head, counts, values.new_zeros(units, dtype=torch.float64)])
+    low, high = torch.aminmax(values)  # NaN if there is one, inf if there is one
+    clean = _all_finite(low, high)
+    if clean:  # the values as they are: no non-finite count, no copy with zeros
+        finite, count = values, low.new_tensor(float(values.numel()), dtype=torch.float64)
+        nan = inf = count.new_zeros(())
+    else:  # non-finite values (or not known without a host sync) count as zeros
+        nan = torch.isnan(values).sum(dtype=torch.float64)
+        inf = torch.isinf(values).sum(dtype=torch.float64)
+        count = values.numel() - nan - inf
+        finite = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+        low, high = torch.aminmax(finite)
+    absmax = torch.maximum(high, -low)
+    moments = _moments(values, finite, absmax, count, clean)
+    head = torch.cat([count[None], moments, torch.stack([absmax.double(), nan, inf])])
+    nonzero = _nonzero(finite)  # a NaN is not activity
     if not histogram:
         return torch.cat([head, nonzero])
-    edges = torch.tensor(EDGES, dtype=torch.float64, device=values.device)
-    places = torch.bucketize(wide.abs()[finite], edges, right=True)  # 0: below the first
+    return torch.cat([head, _histogram(finite, nan + inf), nonzero])
+
+
+def _selected(values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The rows of ``values`` that ``rows`` keeps (all of them, on the CPU, when it keeps
+    every one: no copy), along a flattened first dimension."""
+    if rows is None:
+        return values
+    if rows.dim() == 0 or tuple(rows.shape) != tuple(values.shape[: rows.dim()]):
+        raise ValueError(
+            f"`rows` of shape {tuple(rows.shape)} is not a mask over the leading dimensions "
+            f"of a tensor of shape {tuple(values.shape)}: give one of shape "
+            f"{tuple(values.shape[:2])} (batch, sequence), or None"
+        )
+    if rows.device.type == "cpu" and bool(rows.all()):
+        return values
+    places = rows.to(values.device).reshape(-1).nonzero().squeeze(1)
+    return values.flatten(0, rows.dim() - 1).index_select(0, places)  # faster than values[rows]
+
+
+def _all_finite(low: torch.Tensor, high: torch.Tensor) -> bool:
+    """Whether values of smallest ``low`` and largest ``high`` are all finite, where that
+    costs no host sync (on the CPU); elsewhere ``False``: not known."""
+    return low.device.type == "cpu" and bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def _moments(
+    values: torch.Tensor, finite: torch.Tensor, absmax: torch.Tensor, count: torch.Tensor,
+    clean: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The mean of the finite values and the centred sums of their second, third and
+    fourth powers (float64); ``finite``: the values, non-finite ones as zeros.
+
+    The values are scaled by a power of two (exact) to below 4 in magnitude, centred at
+    their mean rounded to their dtype, and the powers of that summed (in their dtype along
+    the last dimension, in float64 across it: no float64 copy); the sums are then shifted
+    to the exact mean and scaled back (the shifted-data algorithm: stable, as the centre is
+    within a rounding of the mean)."""
+    scale = _power_of_two(2 - torch.frexp(absmax).exponent, values.dtype)
+    scaled = finite * scale
+    n = count.clamp(min=1)
+    mean = _sum(scaled) / n
+    centre = mean.to(values.dtype)
+    if clean:
+        centred = scaled.sub_(centre)
+    else:  # from the values: a NaN or inf stays one, then has no part
+        centred = torch.addcmul(-centre, values, scale, out=scaled)
+        centred.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    square = centred * centred
+    s1, s2 = _sum(centred), _sum(square)
+    s3, s4 = _sum(centred.mul_(square)), _sum(square.mul_(square))
+    shift = s1 / n  # the exact mean's place from the centre
+    m2 = s2 - shift * s1
+    m3 = s3 - 3 * shift * s2 + 2 * count * shift**3
+    m4 = s4 - 4 * shift * s3 + 6 * shift**2 * s2 - 3 * count * shift**4
+    unit = 1 / scale.double()
+    return torch.stack([mean * unit, m2 * unit**2, m3 * unit**3, m4 * unit**4])
+
+
+def _nonzero(finite: torch.Tensor) -> torch.Tensor:
+    """The number of non-zero values of each unit (float64): the signs' magnitudes summed
+    (faster on the CPU than a comparison), exact in float32 up to ``2**24`` rows."""
+    if finite.shape[0] > 2**24:
+        return torch.count_nonzero(finite, dim=0).double()
+    return finite.sign().abs_().sum(0).double()
+
+
+def _sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of a ``[rows, units]`` tensor: along the units in its dtype, across them in
+    float64 (a float64 sum of it all would copy it to float64 on the CPU)."""
+    return tensor.sum(-1).sum(dtype=torch.float64)
+
+
+def _power_of_two(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2 ** exponent`` in ``dtype`` (float32 or float64), exactly, on the exponent's
+    device: the exponent's bits put in place (clamped to the normal numbers)."""
+    integer, mantissa, bias = _LAYOUT[dtype]
+    biased = (exponent.to(integer) + bias).clamp(1, 2 * bias)
+    return (biased << mantissa).view(dtype)
+
+
+def _histogram(finite: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
+    """The counts of the finite ``|x|`` between :data:`EDGES` (float64); ``finite`` holds
+    the ``nonfinite`` values as zeros, taken back out of the first count."""
+    edges = torch.tensor(EDGES, dtype=torch.float64, device=finite.device)
+    if finite.dtype != torch.float64:  # the smallest value >= each edge: the same places
+        rounded = edges.to(finite.dtype)
+        edges = torch.where(rounded < edges, torch.nextafter(rounded, rounded + 1), rounded)
+    places = torch.bucketize(finite.abs().flatten(), edges, right=True)  # 0: below the first
     counts = torch.bincount(places, minlength=len(EDGES) + 1).double()
-    return torch.cat([head, counts, nonzero])
+    counts[0] -= nonfinite
+    return counts
 
 
 def merge_statistics(vectors: torch.Tensor) -> torch.Tensor:

@@ -165,6 +165,7 @@ class ActivationMonitor(pl.Callback):
         self._batch_indices: list[int] = []
         self._first: int | None = None  # the first step of this fit
         self._scaled = False  # a GradScaler scaled this step's backward
+        self._scales: list[torch.Tensor] = []  # its scale before each optimizer step
         self._layout = HealthLayout(self._head())
 
     @property
@@ -197,6 +198,7 @@ class ActivationMonitor(pl.Callback):
         self._rank = trainer.global_rank
         self._catcher = ModelIOCatcher(pl_module, None)
         self._catcher.from_spec(self.spec)  # the names are checked before the first step
+        _check_loss_scaling(trainer, self.spec)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -248,6 +250,14 @@ class ActivationMonitor(pl.Callback):
         if self._transform is not None:
             self._transform.scale = self._loss_scale(trainer, loss)
 
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        if self._step >= 0 and self._scaled:  # before the scaler's step and update
+            scale = self._loss_scale(trainer, torch.ones(1, device=pl_module.device))
+            if scale is not None:
+                self._scales.append(scale)
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._step >= 0:
             self._finish(trainer, pl_module)
@@ -257,6 +267,7 @@ class ActivationMonitor(pl.Callback):
     ) -> None:
         session, self._session = self._session, None
         if session is not None:
+            session.discard_gradients()  # the exception is the news, not "no backward"
             session.close()
         self._forget()
 
@@ -269,6 +280,16 @@ class ActivationMonitor(pl.Callback):
         self._scaled = True
         return scaler.scale(torch.ones(1, dtype=torch.float64, device=loss.device))
 
+    def _skipped(self, trainer: pl.Trainer) -> bool:
+        """Whether the GradScaler skipped an optimizer step of the watched step: it lowers
+        its scale after a step whose gradients (any, watched or not) were not finite."""
+        scales, self._scales = self._scales, []
+        now = self._loss_scale(trainer, scales[0]) if scales else None
+        if now is None:
+            return False
+        after = [*scales[1:], now]  # each step's scale is the next one's before
+        return any(bool(a < b) for a, b in zip(after, scales, strict=True))
+
     def _head(self) -> int:
         """The length of a statistics vector before its per-unit part."""
         return HEAD + (len(EDGES) + 1 if self.histograms else 0)
@@ -276,7 +297,7 @@ class ActivationMonitor(pl.Callback):
     def _forget(self) -> None:
         """Drop a step's statistics not logged yet (a fit stopped in the middle of it)."""
         self._step, self._vectors, self._order, self._batch_indices = -1, {}, [], []
-        self._scaled = False
+        self._scaled, self._scales = False, []
         self._session, self._transform = None, None
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -287,6 +308,7 @@ class ActivationMonitor(pl.Callback):
         order, self._order = self._order, []
         indices, self._batch_indices = self._batch_indices, []
         scaled, self._scaled = self._scaled, False
+        skipped = scaled and self._skipped(trainer)
         strategy = trainer.strategy
         several = trainer.world_size > 1
         if self._layout.widths is None or not several:  # alone: nothing to agree on
@@ -314,9 +336,9 @@ class ActivationMonitor(pl.Callback):
             for name, value in found.scalars().items()
         }
         bad = [key for key, found in figures.items() if found.nan or found.inf]
-        overflow = scaled and bool(bad) and all("/grad_" in key for key in bad)
-        if scaled:  # the GradScaler skips this step's update: normal for float16
-            logged[f"{self.prefix}/grad_overflow"] = float(overflow)
+        overflow = skipped and all("/grad_" in key for key in bad)  # not traced: normal
+        if scaled:  # the GradScaler skipped this step's update (any gradient overflowed)
+            logged[f"{self.prefix}/grad_overflow"] = float(skipped)
         for logger in trainer.loggers:  # at the watched step only, in float64 (pl_module.log
             logger.log_metrics(logged, step=step)  # would repeat it until the epoch ends)
         trainer.callback_metrics.update(  # for EarlyStopping and ModelCheckpoint
@@ -340,7 +362,7 @@ class ActivationMonitor(pl.Callback):
         parts: dict[str, torch.Tensor],
     ) -> None:
         forward = [prefix for prefix in order if "/grad_" not in prefix]
-        backward = [prefix for prefix in reversed(order) if "/grad_" in prefix]
+        backward = [prefix for prefix in order if "/grad_" in prefix]  # as they arrived
         first = next(
             (
                 key
@@ -363,3 +385,19 @@ class ActivationMonitor(pl.Callback):
         if self.on_nonfinite == "raise":
             raise NonFiniteError(message)
         rank_zero_warn(message)
+
+
+def _check_loss_scaling(trainer: pl.Trainer, spec: CaptureSpec) -> None:
+    """Refuse gradients under a precision plugin that scales the loss without a GradScaler
+    (DeepSpeed's float16): their figures would be those of the scaled loss."""
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+
+    plugin = trainer.precision_plugin
+    scaled = isinstance(plugin, DeepSpeedPrecision) and str(plugin.precision).startswith("16")
+    if spec.has_gradients and scaled:
+        raise ValueError(
+            f"ActivationMonitor: DeepSpeed with precision={plugin.precision!r} scales the "
+            "loss inside its engine, without a GradScaler the monitor can read, so the "
+            "watched gradients would be those of the scaled loss: watch outputs or inputs "
+            "only, or train in 'bf16-mixed' or '32-true'"
+        )

@@ -78,8 +78,20 @@ class _Statistics:
             return tensor.new_zeros(0, dtype=torch.float64)  # nothing to watch
         rows = self.rows if masks(tensor, self.rows) else None
         if self.scale is None or not site.kind.startswith("grad_"):
-            return health_statistics(tensor, rows, self.histogram)
+            return _statistics(tensor, rows, self.histogram)
         return _unscaled_statistics(tensor, rows, self.histogram, self.scale)
+
+
+def _statistics(tensor: torch.Tensor, rows: torch.Tensor | None, histogram: bool) -> torch.Tensor:
+    """:func:`health_statistics`; with a histogram, the sum of the finite ``|x|`` (for
+    TensorBoard's) right after its counts (merged by adding, as the counts are)."""
+    vector = health_statistics(tensor, rows, histogram)
+    if not histogram:
+        return vector
+    values = tensor.detach() if rows is None else tensor.detach()[rows.to(tensor.device)]
+    total = torch.where(torch.isfinite(values), values, 0).double().abs().sum()
+    at = HEAD + len(EDGES) + 1
+    return torch.cat([vector[:at], total.reshape(1), vector[at:]])
 
 
 def _unscaled_statistics(
@@ -90,7 +102,7 @@ def _unscaled_statistics(
     the scale's powers, the counts unchanged (a histogram needs the values themselves)."""
     scale = scale.to(tensor.device, torch.float64)
     if histogram:
-        return health_statistics(tensor.double() / scale, rows, histogram)
+        return _statistics(tensor.double() / scale, rows, histogram)
     vector = health_statistics(tensor, rows, histogram)
     one = torch.ones_like(scale)
     divisor = torch.cat([one, scale, scale**2, scale**3, scale**4, scale, one, one])
@@ -291,8 +303,9 @@ class ActivationMonitor(pl.Callback):
         return any(bool(a < b) for a, b in zip(after, scales, strict=True))
 
     def _head(self) -> int:
-        """The length of a statistics vector before its per-unit part."""
-        return HEAD + (len(EDGES) + 1 if self.histograms else 0)
+        """The length of a statistics vector before its per-unit part (with a histogram:
+        its counts and the sum of ``|x|``)."""
+        return HEAD + (len(EDGES) + 2 if self.histograms else 0)
 
     def _forget(self) -> None:
         """Drop a step's statistics not logged yet (a fit stopped in the middle of it)."""
@@ -321,11 +334,14 @@ class ActivationMonitor(pl.Callback):
             self._layout.forget()
         figures: dict[str, HealthFigures] = {}
         parts: dict[str, torch.Tensor] = {}
+        abs_sums: dict[str, float] = {}
         for key, (part, units_valid) in blocks.items():
             merged = merge_statistics(part)
-            found = HealthFigures.of(
-                merged if units_valid else merged[: self._head()], self.histograms
-            )
+            head = self._head() - (1 if self.histograms else 0)  # without the sum of |x|
+            if self.histograms:
+                abs_sums[key] = float(merged[head])
+                merged = torch.cat([merged[:head], merged[head + 1 :]])
+            found = HealthFigures.of(merged if units_valid else merged[:head], self.histograms)
             if found.count or found.nan or found.inf:  # not a key no process saw
                 figures[key], parts[key] = found, part
         if not figures:
@@ -348,7 +364,7 @@ class ActivationMonitor(pl.Callback):
         self.history.append((step, logged))
         del self.history[: -self.history_size]
         if self.histograms:
-            log_histograms(trainer, self.prefix, figures, step)
+            log_histograms(trainer, self.prefix, figures, step, abs_sums)
         if bad and not overflow:
             self._trace_nonfinite(step, figures, bad, order, indices, parts)
 

@@ -85,6 +85,7 @@ class Histograms(Calls):
     def __init__(self) -> None:
         super().__init__()
         self.found: dict[tuple[str, int], list[float]] = {}
+        self.rest: dict[tuple[str, int], dict[str, Any]] = {}  # min, max, num, sum, ...
 
     @property
     def experiment(self) -> Any:
@@ -93,6 +94,7 @@ class Histograms(Calls):
     def add_histogram_raw(self, *, tag: str, bucket_counts: list[float], global_step: int,
                           **rest: Any) -> None:  # fmt: skip
         self.found[(tag, global_step)] = list(bucket_counts)
+        self.rest[(tag, global_step)] = rest
 
 
 def test_gradients_under_a_grad_scaler_are_the_true_gradients() -> None:
@@ -112,6 +114,14 @@ def test_gradients_under_a_grad_scaler_are_the_true_gradients() -> None:
             places = np.searchsorted(EDGES, values.ravel(), side="right")
             expected = np.bincount(places, minlength=len(EDGES) + 1).tolist()
             assert logger.found[(f"h/{key}/abs", step)] == expected, (step, key)
+            rest = logger.rest[(f"h/{key}/abs", step)]  # TensorBoard's figures of |x|
+            assert rest["sum"] == pytest.approx(values.sum(), rel=1e-12)
+            assert rest["sum_squares"] == pytest.approx((values**2).sum(), rel=1e-9)
+            assert (rest["max"], rest["num"]) == (pytest.approx(values.max()), values.size)
+            edges = [0.0, *EDGES]  # the lower edge of the first non-empty count: a bound
+            first = edges.index(rest["min"])
+            assert expected[first] and not any(expected[:first])
+            assert edges[first] <= values.min() < [*EDGES, math.inf][first]
     assert [scales.at[s] for s in (0, 1, 2)] == [256.0, 512.0, 1024.0]  # grows every step
     assert recorder.seen[0]["model.layers.0/outputs"][0].dtype == np.float64  # (recorded)
     assert [step for step, _ in monitor.history] == [0, 2, 4, 6]

@@ -39,74 +39,25 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
-from lightning_iocatch.capture.keys import entry_prefix, flatten_captures
+from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.spec import CaptureSpec
-from lightning_iocatch.capture.transform import Site
 from lightning_iocatch.lightning.health_histograms import log_histograms
 from lightning_iocatch.lightning.health_layout import HealthLayout
+from lightning_iocatch.lightning.health_transform import _Statistics
 from lightning_iocatch.probes.health import (
     EDGES,
     HEAD,
     HealthFigures,
-    health_statistics,
     merge_statistics,
 )
-from lightning_iocatch.token_mask import masks, real_tokens
+from lightning_iocatch.token_mask import real_tokens
 
 __all__ = ["ActivationMonitor", "NonFiniteError"]
 
 
 class NonFiniteError(RuntimeError):
     """A NaN or inf appeared in a watched forward or backward (``on_nonfinite="raise"``)."""
-
-
-class _Statistics:
-    """The transform of a watched batch: each floating tensor becomes its statistics
-    vector, on its device; the order of the captures is kept (execution order)."""
-
-    def __init__(self, rows: torch.Tensor | None, histogram: bool) -> None:
-        self.rows, self.histogram = rows, histogram
-        self.order: list[str] = []  # the keys' prefixes, in the order captured
-        self.scale: torch.Tensor | None = None  # a GradScaler's scale of this backward
-
-    def capture(self, tensor: torch.Tensor, site: Site) -> torch.Tensor:
-        prefix = entry_prefix(site.module, site.kind, site.call)  # as the flat keys begin
-        if prefix not in self.order:
-            self.order.append(prefix)
-        if not tensor.is_floating_point():
-            return tensor.new_zeros(0, dtype=torch.float64)  # nothing to watch
-        rows = self.rows if masks(tensor, self.rows) else None
-        if self.scale is None or not site.kind.startswith("grad_"):
-            return _statistics(tensor, rows, self.histogram)
-        return _unscaled_statistics(tensor, rows, self.histogram, self.scale)
-
-
-def _statistics(tensor: torch.Tensor, rows: torch.Tensor | None, histogram: bool) -> torch.Tensor:
-    """:func:`health_statistics`; with a histogram, the sum of the finite ``|x|`` (for
-    TensorBoard's) right after its counts (merged by adding, as the counts are)."""
-    vector = health_statistics(tensor, rows, histogram)
-    if not histogram:
-        return vector
-    values = tensor.detach() if rows is None else tensor.detach()[rows.to(tensor.device)]
-    total = torch.where(torch.isfinite(values), values, 0).double().abs().sum()
-    at = HEAD + len(EDGES) + 1
-    return torch.cat([vector[:at], total.reshape(1), vector[at:]])
-
-
-def _unscaled_statistics(
-    tensor: torch.Tensor, rows: torch.Tensor | None, histogram: bool, scale: torch.Tensor
-) -> torch.Tensor:
-    """The statistics of a gradient taken in a backward of a loss multiplied by ``scale``
-    (a GradScaler's), as those of the true gradient, on the device: the moments divided by
-    the scale's powers, the counts unchanged (a histogram needs the values themselves)."""
-    scale = scale.to(tensor.device, torch.float64)
-    if histogram:
-        return _statistics(tensor.double() / scale, rows, histogram)
-    vector = health_statistics(tensor, rows, histogram)
-    one = torch.ones_like(scale)
-    divisor = torch.cat([one, scale, scale**2, scale**3, scale**4, scale, one, one])
-    return torch.cat([vector[:HEAD] / divisor, vector[HEAD:]])
 
 
 class ActivationMonitor(pl.Callback):
@@ -133,9 +84,11 @@ class ActivationMonitor(pl.Callback):
 
     Under ``precision="16-mixed"`` the gradients seen in the backward are those of the loss
     multiplied by the GradScaler's scale: their statistics are divided by the scale of that
-    backward, so the figures are those of the true gradients. Non-finite values in the
-    gradients alone are then an overflow, which the scaler skips: they are logged
-    (``{prefix}/grad_overflow`` is 1) and not traced or raised.
+    backward (each gradient is reduced as it arrives), so the figures are those of the
+    true gradients. ``{prefix}/grad_overflow`` is 1 on a step whose optimizer step the
+    scaler skipped (any gradient not finite: it lowered its scale); non-finite values in
+    the watched gradients alone on such a step are logged, not traced or raised. Under
+    DeepSpeed's float16, which scales the loss without a GradScaler, gradients are refused.
     """
 
     def __init__(

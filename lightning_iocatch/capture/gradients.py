@@ -57,7 +57,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from lightning_iocatch.capture.snapshots import map_tensors
-from lightning_iocatch.capture.transform import Kind
+from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
 from lightning_iocatch.errors import CaptureError
 
 __all__ = ["GradientSites", "recording_gradients"]
@@ -107,6 +107,10 @@ class _Site:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # by place in `tensors`
     handles: list[Any] = field(default_factory=list)  # the tensor hooks, removed at the end
     versions: list[int] = field(default_factory=list)  # of the copies, as handed on
+    transform: CaptureTransform | None = None  # the batch's, applied as a gradient arrives
+    at: Site | None = None  # this call's site, for the transform
+    changed: dict[int, bool] = field(default_factory=dict)  # by place: the transform's
+    repeated: bool = False  # a place reached twice under a transform (not summable)
 
     def release(self) -> None:
         """Remove the tensor hooks."""
@@ -115,25 +119,57 @@ class _Site:
             handle.remove()
 
     def receive(self, place: int, grad: torch.Tensor) -> None:
+        """Keep the gradient arriving at ``place``: through the batch's transform now, in
+        the state of its own backward (a GradScaler's scale of that backward), so that the
+        raw gradient is not held to the end of the batch. Without a transform, the
+        gradients of several backwards reaching one place are summed."""
+        grad = grad.detach()
         held = self.grads.get(place)
-        self.grads[place] = grad.detach() if held is None else held + grad.detach()
+        if self.transform is None or self.at is None:
+            self.grads[place] = grad if held is None else held + grad
+        elif held is not None:  # a transform of the sum is not the sum of the transforms
+            self.repeated = True
+        else:
+            self.grads[place], self.changed[place] = self._through(grad)
 
-    def gradient(self) -> Any:
-        """The value's structure with each hooked tensor's gradient (zeros if none came);
-        a part's gradient is one tensor."""
+    def _through(self, grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        assert self.transform is not None and self.at is not None  # callers check
+        with torch.no_grad():
+            replaced = self.transform.capture(grad, self.at)
+        return (grad, False) if replaced is None else (replaced, True)
+
+    def gradient(self) -> tuple[Any, list[bool] | None]:
+        """The value's structure with each hooked tensor's gradient (zeros if none came;
+        a part's gradient is one tensor), and, under a transform, whether it changed each
+        of them, in the order of :func:`map_tensors`."""
+        flags: list[bool] = []
+
+        def of(place: int, like: torch.Tensor) -> torch.Tensor:
+            grad = self.grads.get(place)
+            if grad is not None:
+                flags.append(self.changed.get(place, False))
+                return grad
+            zeros = torch.zeros_like(like, requires_grad=False).detach()
+            if self.transform is None or self.at is None:
+                flags.append(False)
+                return zeros
+            zeros, changed = self._through(zeros)
+            flags.append(changed)
+            return zeros
+
+        transformed = self.transform is not None and self.at is not None
         if self.single:
-            grad = self.grads.get(0)
-            return torch.zeros_like(self.tensors[0]).detach() if grad is None else grad
+            return of(0, self.tensors[0]), flags if transformed else None
         places = {id(tensor): place for place, tensor in enumerate(self.tensors)}
 
         def swap(tensor: torch.Tensor) -> torch.Tensor | None:
             place = places.get(id(tensor))
             if place is None:
                 return None  # not a floating tensor: it has no gradient
-            grad = self.grads.get(place)
-            return torch.zeros_like(tensor, requires_grad=False) if grad is None else grad
+            return of(place, tensor)
 
-        return map_tensors(self.value, swap, _nothing)  # type: ignore[arg-type]
+        found = map_tensors(self.value, swap, _nothing)  # type: ignore[arg-type]
+        return found, flags if transformed else None
 
 
 class GradientSites:
@@ -142,17 +178,30 @@ class GradientSites:
     def __init__(self) -> None:
         self.sites: list[_Site] = []
 
-    def attach(self, name: str, kind: Kind, value: Any, part: Part | None = None) -> Any:
+    def attach(
+        self,
+        name: str,
+        kind: Kind,
+        value: Any,
+        part: Part | None = None,
+        transform: CaptureTransform | None = None,
+        calls: int = 0,
+    ) -> Any:
         """``value`` with each of its floating tensors (only the one ``part`` picks of
         ``{"args", "kwargs"}`` or the output, if given) replaced by a copy in the graph,
-        hooked, for the forward to go on with."""
+        hooked, for the forward to go on with. ``transform`` (the batch's) is applied to
+        each gradient as it arrives, at the site of this call (``calls``: the values of
+        ``name``'s ``kind`` the buffer already holds)."""
         try:
             _check_recording(name, kind)
         except CaptureError:
             self.clear()  # the error is the news: not also "no backward reached"
             raise
         target = None if part is None else part(_structured(kind, value))
-        site = _Site(name, kind, value, single=part is not None)
+        site = _Site(name, kind, value, single=part is not None, transform=transform)
+        if transform is not None:
+            calls += sum(1 for held in self.sites if (held.name, held.kind) == (name, kind))
+            site.at = Site(name, kind, calls)
 
         def hooked(tensor: torch.Tensor) -> torch.Tensor:
             nonlocal target
@@ -210,12 +259,16 @@ class GradientSites:
         whatever in-place operation changed it after."""
         return [edge for site in self.sites for edge in site.edges]
 
-    def collect(self) -> list[tuple[str, Kind, Any]]:
-        """Each call's ``(name, kind, gradient)``, in call order, and forget the sites.
+    def collect(self) -> list[tuple[str, Kind, Any, list[bool] | None]]:
+        """Each call's ``(name, kind, gradient, changed)``, in call order (``changed``:
+        under a transform, which of the gradient's tensors it changed, in the order of
+        :func:`map_tensors`), and forget the sites.
 
         Sites no backward reached are left out, with a warning: the loss' backward never
         ran while the session was open (a site off the loss' path is reached as zeros
-        when another site of the forward is reached)."""
+        when another site of the forward is reached). Under a transform, a call that
+        several backwards reached is left out with a warning: the transform of each
+        gradient was taken as it arrived, and those cannot be summed."""
         sites, self.sites = self.sites, []
         for site in sites:
             site.release()
@@ -230,12 +283,23 @@ class GradientSites:
                 stacklevel=3,
             )
             return []
+        repeated = sorted({f"{site.name}/{site.kind}" for site in sites if site.repeated})
+        if repeated:
+            warnings.warn(
+                f"the gradients of {', '.join(repeated)} were reached by several backwards of "
+                "one forward (retain_graph=True) under a capture transform, which is applied "
+                "to each gradient as it arrives and cannot be summed: nothing is captured "
+                "for them; take the batch's captures between the backwards",
+                stacklevel=3,
+            )
         found = []
         for site in sites:
-            gradient = site.gradient()
+            if site.repeated:
+                continue
+            gradient, changed = site.gradient()
             if site.kind == "grad_inputs" and not site.single:  # as inputs: {"args", "kwargs"}
                 gradient = {"args": gradient[0], "kwargs": gradient[1]}
-            found.append((site.name, site.kind, gradient))
+            found.append((site.name, site.kind, gradient, changed))
         return found
 
 

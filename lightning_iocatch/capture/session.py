@@ -207,8 +207,17 @@ class CaptureSession:
         self._gradients.clear()
 
     def _capture_gradients(self) -> None:
-        for name, kind, gradient in self._gradients.collect():
-            self._capture(name, kind, gradient)  # a part's gradient is its one tensor
+        for name, kind, gradient, changed in self._gradients.collect():
+            if changed is None:
+                self._capture(name, kind, gradient)  # a part's gradient is its one tensor
+            else:  # through the batch's transform already, as each gradient arrived
+                self._capture(name, kind, gradient, _Arrived(changed))
+
+    def _attach(self, name: str, kind: Kind, value: Any, part: Any) -> Any:
+        """Hook ``value``'s tensors for their gradients, under the batch's transform."""
+        transform = self.buffer.transform
+        calls = self.buffer.calls(name, kind) if transform is not None else 0
+        return self._gradients.attach(name, kind, value, part, transform, calls)
 
     def set_batch_indices(self, indices: Sequence[int] | None) -> None:
         """The next forwards are of a batch whose samples have the dataset ``indices`` (in
@@ -290,13 +299,16 @@ class CaptureSession:
         # done: later calls in this forward are as if it had stopped, whoever goes on
         return not self.done
 
-    def _capture(self, name: str, kind: Kind, value: Any) -> None:
-        """Copy ``value`` (its part, if one is asked for) through the batch's transform into
-        the buffer; stop if done."""
+    def _capture(
+        self, name: str, kind: Kind, value: Any, transform: CaptureTransform | None = None
+    ) -> None:
+        """Copy ``value`` (its part, if one is asked for) through the batch's transform (or
+        ``transform``) into the buffer; stop if done."""
         part = self.parts.get((name, kind))
         if part is not None:
             value = part(value)
-        buffer, transform = self.buffer, self.buffer.transform
+        buffer = self.buffer
+        transform = transform or buffer.transform
         site = None if transform is None else Site(name, kind, buffer.calls(name, kind))
         copied, events, changed = self.catcher.transfer(value, transform, site)
         buffer.add(name, kind, copied, events, changed)
@@ -304,6 +316,17 @@ class CaptureSession:
             self._pending.discard((name, kind))
             if not self._pending:
                 self.catcher.coordinator.maybe_stop(self)
+
+
+class _Arrived:
+    """The transform of gradients the batch's transform changed as they arrived: each
+    tensor, in the order the copy visits them, is kept as it is and marked changed or not."""
+
+    def __init__(self, changed: list[bool]) -> None:
+        self._changed = iter(changed)
+
+    def capture(self, tensor: torch.Tensor, site: Site) -> torch.Tensor | None:
+        return tensor if next(self._changed) else None
 
 
 def _in_backward() -> bool:
@@ -318,7 +341,7 @@ def _grad_input_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
         if _in_backward() or not session._acts():
             return None  # a recomputation (activation checkpointing) is not a new call
         part = session.parts.get((name, "inputs"))
-        return session._gradients.attach(name, "grad_inputs", (args, kwargs), part)
+        return session._attach(name, "grad_inputs", (args, kwargs), part)
 
     return hook
 
@@ -338,7 +361,7 @@ def _grad_output_hook(session: CaptureSession, name: str) -> Callable[..., Any]:
         if _in_backward() or not session._acts():
             return None
         part = session.parts.get((name, "outputs"))
-        return session._gradients.attach(name, "grad_outputs", output, part)
+        return session._attach(name, "grad_outputs", output, part)
 
     return hook
 

@@ -5,7 +5,10 @@ A statistics vector with a histogram holds the counts of the finite ``|x|`` betw
 edge, between each pair, from the last edge up). Two loggers take them:
 
 - a logger whose ``experiment`` has TensorBoard's ``add_histogram_raw`` (Lightning's
-  ``TensorBoardLogger``): bucket limits are the upper edges of the counts;
+  ``TensorBoardLogger``): bucket limits are the upper edges of the counts, ``sum`` is the
+  sum of ``|x|`` and ``sum_squares`` that of ``x^2``, ``max`` the largest ``|x|``; the
+  smallest ``|x|`` is not kept, so ``min`` is the lower edge of the first non-empty count
+  (a bound: the smallest ``|x|`` is at least that, and below the next edge);
 - Lightning's ``WandbLogger`` (only if Lightning and wandb are installed; nothing is
   imported otherwise): ``wandb.Histogram(np_histogram=(counts, edges))``, the form of
   NumPy's ``np.histogram`` (``len(counts) + 1`` edges, from 0), logged with
@@ -35,10 +38,14 @@ def histogram_edges(absmax: float) -> list[float]:
 
 
 def log_histograms(
-    trainer: pl.Trainer, prefix: str, figures: dict[str, HealthFigures], step: int
+    trainer: pl.Trainer,
+    prefix: str,
+    figures: dict[str, HealthFigures],
+    step: int,
+    abs_sums: dict[str, float],
 ) -> None:
     """Each key's histogram of ``|x|`` as ``{prefix}/{key}/abs`` to every logger that takes
-    histograms (process 0 only)."""
+    histograms (process 0 only); ``abs_sums``: each key's sum of ``|x|``."""
     if not trainer.is_global_zero:
         return
     found = {key: one for key, one in figures.items() if one.count}
@@ -50,10 +57,12 @@ def log_histograms(
         add = getattr(getattr(logger, "experiment", None), "add_histogram_raw", None)
         if callable(add):
             for key, one in found.items():
+                edges = histogram_edges(one.absmax)
+                first = next(i for i, count in enumerate(one.histogram) if count)
                 add(
-                    tag=f"{prefix}/{key}/abs", min=0.0, max=one.absmax, num=one.count,
-                    sum=one.sums[0], sum_squares=one.sums[1],
-                    bucket_limits=histogram_edges(one.absmax)[1:],
+                    tag=f"{prefix}/{key}/abs", min=edges[first], max=one.absmax,
+                    num=one.count, sum=abs_sums[key], sum_squares=one.sums[1],
+                    bucket_limits=edges[1:],
                     bucket_counts=list(one.histogram), global_step=step,
                 )  # fmt: skip
 

@@ -8,9 +8,12 @@ and on later steps each process packs its statistics into it, so a watched step 
 sends zeros (a count of 0, which merges as nothing), a key whose width differs from the
 layout's sends its head, zeros for its units and ``flag = 1``, so the merged dead fraction
 of that key is left out (NaN) rather than wrong. The vector's last entry counts the keys
-a process saw that the layout lacks: those are warned about (once a key) and, since every
-process reads every process's count, all of them agree on a new layout on the next
-watched step. Nothing here can leave one process waiting for the others.
+a process saw that the layout lacks (warned about, once a key) and the keys whose width
+does not fit the layout (a width that changed since the agreement, or that differed
+between processes then): since every process reads every process's count, all of them
+agree on a new layout on the next watched step, so a dead fraction is NaN for that one
+step, not for the rest of the fit. Nothing here can leave one process waiting for the
+others.
 
 Examples:
     >>> layout = HealthLayout(head=2)
@@ -68,10 +71,11 @@ class HealthLayout:
     ) -> torch.Tensor:
         """This process's statistics as one vector in the layout's order on ``device`` (the
         collective's), its last entry the number of keys the layout lacks (each warned
-        about once)."""
+        about once) or whose width does not fit it."""
         assert self.widths is not None, "agree() first"  # internal order, not user input
         options: dict[str, Any] = {"dtype": torch.float64, "device": device}
         parts = []
+        misfits = 0
         for key, width in self.widths.items():
             vector = vectors.get(key)
             if vector is None:
@@ -81,6 +85,7 @@ class HealthLayout:
             else:  # the per-unit part does not fit the layout: left out of the merge
                 parts += [vector[: self.head].to(device), torch.zeros(width, **options)]
                 parts.append(torch.ones(1, **options))
+                misfits += 1
         self.unknown = [key for key in vectors if key not in self.widths]
         for key in self.unknown:
             if key not in self._warned:
@@ -91,7 +96,7 @@ class HealthLayout:
                     "the processes agree again on the next watched step",
                     stacklevel=2,
                 )
-        parts.append(torch.full((1,), float(len(self.unknown)), **options))
+        parts.append(torch.full((1,), float(len(self.unknown) + misfits), **options))
         return torch.cat(parts)
 
     def unpack(self, gathered: torch.Tensor) -> dict[str, tuple[torch.Tensor, bool]]:
@@ -108,7 +113,8 @@ class HealthLayout:
 
     @staticmethod
     def any_unknown(gathered: torch.Tensor) -> bool:
-        """Whether a process saw keys the layout lacks (then agree again)."""
+        """Whether a process saw keys the layout lacks or a width that does not fit it
+        (then agree again)."""
         return bool(gathered[:, -1].any())
 
 

@@ -39,62 +39,25 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
-from lightning_iocatch.capture.keys import entry_prefix, flatten_captures
+from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.spec import CaptureSpec
-from lightning_iocatch.capture.transform import Site
 from lightning_iocatch.lightning.health_histograms import log_histograms
 from lightning_iocatch.lightning.health_layout import HealthLayout
+from lightning_iocatch.lightning.health_transform import _Statistics
 from lightning_iocatch.probes.health import (
     EDGES,
     HEAD,
     HealthFigures,
-    health_statistics,
     merge_statistics,
 )
-from lightning_iocatch.token_mask import masks, real_tokens
+from lightning_iocatch.token_mask import real_tokens
 
 __all__ = ["ActivationMonitor", "NonFiniteError"]
 
 
 class NonFiniteError(RuntimeError):
     """A NaN or inf appeared in a watched forward or backward (``on_nonfinite="raise"``)."""
-
-
-class _Statistics:
-    """The transform of a watched batch: each floating tensor becomes its statistics
-    vector, on its device; the order of the captures is kept (execution order)."""
-
-    def __init__(self, rows: torch.Tensor | None, histogram: bool) -> None:
-        self.rows, self.histogram = rows, histogram
-        self.order: list[str] = []  # the keys' prefixes, in the order captured
-        self.scale: torch.Tensor | None = None  # a GradScaler's scale of this backward
-
-    def capture(self, tensor: torch.Tensor, site: Site) -> torch.Tensor:
-        prefix = entry_prefix(site.module, site.kind, site.call)  # as the flat keys begin
-        if prefix not in self.order:
-            self.order.append(prefix)
-        if not tensor.is_floating_point():
-            return tensor.new_zeros(0, dtype=torch.float64)  # nothing to watch
-        rows = self.rows if masks(tensor, self.rows) else None
-        if self.scale is None or not site.kind.startswith("grad_"):
-            return health_statistics(tensor, rows, self.histogram)
-        return _unscaled_statistics(tensor, rows, self.histogram, self.scale)
-
-
-def _unscaled_statistics(
-    tensor: torch.Tensor, rows: torch.Tensor | None, histogram: bool, scale: torch.Tensor
-) -> torch.Tensor:
-    """The statistics of a gradient taken in a backward of a loss multiplied by ``scale``
-    (a GradScaler's), as those of the true gradient, on the device: the moments divided by
-    the scale's powers, the counts unchanged (a histogram needs the values themselves)."""
-    scale = scale.to(tensor.device, torch.float64)
-    if histogram:
-        return health_statistics(tensor.double() / scale, rows, histogram)
-    vector = health_statistics(tensor, rows, histogram)
-    one = torch.ones_like(scale)
-    divisor = torch.cat([one, scale, scale**2, scale**3, scale**4, scale, one, one])
-    return torch.cat([vector[:HEAD] / divisor, vector[HEAD:]])
 
 
 class ActivationMonitor(pl.Callback):
@@ -121,9 +84,11 @@ class ActivationMonitor(pl.Callback):
 
     Under ``precision="16-mixed"`` the gradients seen in the backward are those of the loss
     multiplied by the GradScaler's scale: their statistics are divided by the scale of that
-    backward, so the figures are those of the true gradients. Non-finite values in the
-    gradients alone are then an overflow, which the scaler skips: they are logged
-    (``{prefix}/grad_overflow`` is 1) and not traced or raised.
+    backward (each gradient is reduced as it arrives), so the figures are those of the
+    true gradients. ``{prefix}/grad_overflow`` is 1 on a step whose optimizer step the
+    scaler skipped (any gradient not finite: it lowered its scale); non-finite values in
+    the watched gradients alone on such a step are logged, not traced or raised. Under
+    DeepSpeed's float16, which scales the loss without a GradScaler, gradients are refused.
     """
 
     def __init__(
@@ -165,6 +130,7 @@ class ActivationMonitor(pl.Callback):
         self._batch_indices: list[int] = []
         self._first: int | None = None  # the first step of this fit
         self._scaled = False  # a GradScaler scaled this step's backward
+        self._scales: list[torch.Tensor] = []  # its scale before each optimizer step
         self._layout = HealthLayout(self._head())
 
     @property
@@ -197,6 +163,7 @@ class ActivationMonitor(pl.Callback):
         self._rank = trainer.global_rank
         self._catcher = ModelIOCatcher(pl_module, None)
         self._catcher.from_spec(self.spec)  # the names are checked before the first step
+        _check_loss_scaling(trainer, self.spec)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -248,6 +215,14 @@ class ActivationMonitor(pl.Callback):
         if self._transform is not None:
             self._transform.scale = self._loss_scale(trainer, loss)
 
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        if self._step >= 0 and self._scaled:  # before the scaler's step and update
+            scale = self._loss_scale(trainer, torch.ones(1, device=pl_module.device))
+            if scale is not None:
+                self._scales.append(scale)
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._step >= 0:
             self._finish(trainer, pl_module)
@@ -257,6 +232,7 @@ class ActivationMonitor(pl.Callback):
     ) -> None:
         session, self._session = self._session, None
         if session is not None:
+            session.discard_gradients()  # the exception is the news, not "no backward"
             session.close()
         self._forget()
 
@@ -269,14 +245,25 @@ class ActivationMonitor(pl.Callback):
         self._scaled = True
         return scaler.scale(torch.ones(1, dtype=torch.float64, device=loss.device))
 
+    def _skipped(self, trainer: pl.Trainer) -> bool:
+        """Whether the GradScaler skipped an optimizer step of the watched step: it lowers
+        its scale after a step whose gradients (any, watched or not) were not finite."""
+        scales, self._scales = self._scales, []
+        now = self._loss_scale(trainer, scales[0]) if scales else None
+        if now is None:
+            return False
+        after = [*scales[1:], now]  # each step's scale is the next one's before
+        return any(bool(a < b) for a, b in zip(after, scales, strict=True))
+
     def _head(self) -> int:
-        """The length of a statistics vector before its per-unit part."""
-        return HEAD + (len(EDGES) + 1 if self.histograms else 0)
+        """The length of a statistics vector before its per-unit part (with a histogram:
+        its counts and the sum of ``|x|``)."""
+        return HEAD + (len(EDGES) + 2 if self.histograms else 0)
 
     def _forget(self) -> None:
         """Drop a step's statistics not logged yet (a fit stopped in the middle of it)."""
         self._step, self._vectors, self._order, self._batch_indices = -1, {}, [], []
-        self._scaled = False
+        self._scaled, self._scales = False, []
         self._session, self._transform = None, None
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -287,6 +274,7 @@ class ActivationMonitor(pl.Callback):
         order, self._order = self._order, []
         indices, self._batch_indices = self._batch_indices, []
         scaled, self._scaled = self._scaled, False
+        skipped = scaled and self._skipped(trainer)
         strategy = trainer.strategy
         several = trainer.world_size > 1
         if self._layout.widths is None or not several:  # alone: nothing to agree on
@@ -299,11 +287,14 @@ class ActivationMonitor(pl.Callback):
             self._layout.forget()
         figures: dict[str, HealthFigures] = {}
         parts: dict[str, torch.Tensor] = {}
+        abs_sums: dict[str, float] = {}
         for key, (part, units_valid) in blocks.items():
             merged = merge_statistics(part)
-            found = HealthFigures.of(
-                merged if units_valid else merged[: self._head()], self.histograms
-            )
+            head = self._head() - (1 if self.histograms else 0)  # without the sum of |x|
+            if self.histograms:
+                abs_sums[key] = float(merged[head])
+                merged = torch.cat([merged[:head], merged[head + 1 :]])
+            found = HealthFigures.of(merged if units_valid else merged[:head], self.histograms)
             if found.count or found.nan or found.inf:  # not a key no process saw
                 figures[key], parts[key] = found, part
         if not figures:
@@ -314,9 +305,9 @@ class ActivationMonitor(pl.Callback):
             for name, value in found.scalars().items()
         }
         bad = [key for key, found in figures.items() if found.nan or found.inf]
-        overflow = scaled and bool(bad) and all("/grad_" in key for key in bad)
-        if scaled:  # the GradScaler skips this step's update: normal for float16
-            logged[f"{self.prefix}/grad_overflow"] = float(overflow)
+        overflow = skipped and all("/grad_" in key for key in bad)  # not traced: normal
+        if scaled:  # the GradScaler skipped this step's update (any gradient overflowed)
+            logged[f"{self.prefix}/grad_overflow"] = float(skipped)
         for logger in trainer.loggers:  # at the watched step only, in float64 (pl_module.log
             logger.log_metrics(logged, step=step)  # would repeat it until the epoch ends)
         trainer.callback_metrics.update(  # for EarlyStopping and ModelCheckpoint
@@ -326,7 +317,7 @@ class ActivationMonitor(pl.Callback):
         self.history.append((step, logged))
         del self.history[: -self.history_size]
         if self.histograms:
-            log_histograms(trainer, self.prefix, figures, step)
+            log_histograms(trainer, self.prefix, figures, step, abs_sums)
         if bad and not overflow:
             self._trace_nonfinite(step, figures, bad, order, indices, parts)
 
@@ -340,7 +331,7 @@ class ActivationMonitor(pl.Callback):
         parts: dict[str, torch.Tensor],
     ) -> None:
         forward = [prefix for prefix in order if "/grad_" not in prefix]
-        backward = [prefix for prefix in reversed(order) if "/grad_" in prefix]
+        backward = [prefix for prefix in order if "/grad_" in prefix]  # as they arrived
         first = next(
             (
                 key
@@ -363,3 +354,19 @@ class ActivationMonitor(pl.Callback):
         if self.on_nonfinite == "raise":
             raise NonFiniteError(message)
         rank_zero_warn(message)
+
+
+def _check_loss_scaling(trainer: pl.Trainer, spec: CaptureSpec) -> None:
+    """Refuse gradients under a precision plugin that scales the loss without a GradScaler
+    (DeepSpeed's float16): their figures would be those of the scaled loss."""
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+
+    plugin = trainer.precision_plugin
+    scaled = isinstance(plugin, DeepSpeedPrecision) and str(plugin.precision).startswith("16")
+    if spec.has_gradients and scaled:
+        raise ValueError(
+            f"ActivationMonitor: DeepSpeed with precision={plugin.precision!r} scales the "
+            "loss inside its engine, without a GradScaler the monitor can read, so the "
+            "watched gradients would be those of the scaled loss: watch outputs or inputs "
+            "only, or train in 'bf16-mixed' or '32-true'"
+        )

@@ -10,8 +10,10 @@ processes' arrays. The run is this file as a script:
 
 The model's two parameterless probes (outside the loss) make the awkward cases:
 ``extra`` runs on process 1 only, on steps 1 and 2 (a key the layout agreed on step 0
-lacks: warned about once, agreed again on step 2); ``ragged`` is 8 wide except on
-process 1 at step 3, where it is 5 (its per-unit part is left out: dead_frac NaN).
+lacks: warned about once, agreed again on step 2); ``ragged`` is 8 wide, except on
+process 1 at step 3, where it is 5 (its per-unit part is left out: dead_frac NaN), and
+on both processes at step 4, where it is 5 (the misfit of step 3 makes the processes
+agree again on step 4: its dead fraction is that of the 5 units, not NaN).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class Probed(Regression):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x = batch[0]
         step, rank = self.trainer.global_step, self.global_rank
-        self.ragged(x[:, :5] if (rank, step) == (1, 3) else x)
+        self.ragged(x[:, :5] if (rank, step) == (1, 3) or step == 4 else x)
         if rank == 1 and step in (1, 2):
             self.extra(2 * x)
         return super().training_step(batch, batch_idx)
@@ -126,11 +128,12 @@ def test_one_collective_a_watched_step_and_the_figures_of_both_processes(tmp_pat
     found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     seen = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
     assert json.dumps(found[0]["history"]) == json.dumps(found[1]["history"])  # (NaN != NaN)
-    # 2 gathers to agree (step 0; step 2, after process 1 saw `extra`), then 1 a step
+    # 2 gathers to agree (step 0; step 2, after process 1 saw `extra`; step 4, after
+    # `ragged`'s width did not fit on step 3), then 1 a step
     for one in found:
         assert one["collectives"] == {
             "0": ["all_gather"] * 3, "1": ["all_gather"], "2": ["all_gather"] * 3,
-            "3": ["all_gather"], "4": ["all_gather"],
+            "3": ["all_gather"], "4": ["all_gather"] * 3,
         }  # fmt: skip
     assert found[0]["warnings"] == []
     assert len(found[1]["warnings"]) == 1 and "'extra/outputs'" in found[1]["warnings"][0]
@@ -154,7 +157,7 @@ def test_one_collective_a_watched_step_and_the_figures_of_both_processes(tmp_pat
                 else:
                     assert got == pytest.approx(value, rel=1e-9, abs=1e-15), (step, key, name)
     assert math.isnan(history[3][1]["health/ragged/outputs/dead_frac"])
-    assert history[4][1]["health/ragged/outputs/dead_frac"] == 0.0  # valid again
+    assert history[4][1]["health/ragged/outputs/dead_frac"] == 0.0  # 5 wide, agreed again
     # the figures are of both processes: process 0 alone has others
     alone = figures(seen[0][0]["model.layers.0/outputs"])
     assert alone["absmax"] != history[0][1]["health/model.layers.0/outputs/absmax"]
@@ -179,7 +182,8 @@ def test_a_width_changed_on_one_process_leaves_out_only_its_dead_fraction() -> N
         layouts[1].pack({"a": health_statistics(a1), "b": health_statistics(b1)}),
     ]
     gathered = torch.stack(packs)
-    assert not HealthLayout.any_unknown(gathered)
+    assert HealthLayout.any_unknown(gathered)  # the misfit: agree again on the next step
+    assert [pack[-1].item() for pack in packs] == [0.0, 1.0]
     blocks = layouts[0].unpack(gathered)
     (part_a, valid_a), (part_b, valid_b) = blocks["a"], blocks["b"]
     assert (valid_a, valid_b) == (False, True)
@@ -191,6 +195,22 @@ def test_a_width_changed_on_one_process_leaves_out_only_its_dead_fraction() -> N
     found_b = HealthFigures.of(merge_statistics(part_b)).scalars()  # process 0's zeros: nothing
     for name, value in figures([b1.numpy()]).items():
         assert found_b[name] == pytest.approx(value, rel=1e-12), name
+
+
+def test_a_width_that_differed_at_the_agreement_is_agreed_again() -> None:
+    """Widths that differed between the processes when they agreed (the layout's width 0)
+    do not fit on any process: every pack counts the misfit, so the next watched step
+    agrees again (the dead fraction is NaN for one step, not the rest of the fit), and no
+    warning says the key is unknown."""
+    layout = HealthLayout(HEAD)
+    layout.widths = {"a": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packed = layout.pack({"a": health_statistics(torch.ones(3, 4))})
+    assert packed[-1] == 1 and packed[HEAD] == 1  # counted, and its dead fraction flagged
+    assert HealthLayout.any_unknown(packed[None])
+    layout.widths = {"a": 4}  # as agreed again when the widths are the same
+    assert layout.pack({"a": health_statistics(torch.ones(3, 4))})[-1] == 0
 
 
 def test_a_key_the_layout_lacks_is_warned_about_once_and_flagged() -> None:

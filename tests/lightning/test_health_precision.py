@@ -34,14 +34,24 @@ from tests.lightning.health_truth import (
 
 
 class Scales(pl.Callback):
-    """The scale of each step's backward, read with the scaler's public (syncing) API."""
+    """The scale of each step's backward, and after its batch (after the scaler's update),
+    read with the scaler's public (syncing) API."""
 
     def __init__(self) -> None:
         self.at: dict[int, float] = {}
+        self.after: dict[int, float] = {}
 
     def on_before_backward(self, trainer: pl.Trainer, module: Any, loss: torch.Tensor) -> None:
         scaler = trainer.precision_plugin.scaler  # type: ignore[attr-defined]
         self.at[trainer.global_step] = scaler.get_scale()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, *rest: Any) -> None:
+        scaler = trainer.precision_plugin.scaler  # type: ignore[attr-defined]
+        self.after[trainer.global_step - 1] = scaler.get_scale()
+
+    def skipped(self, step: int) -> bool:
+        """The scaler skips a step with a non-finite gradient and lowers its scale."""
+        return self.after[step] < self.at[step]
 
 
 def fp16(init_scale: float) -> MixedPrecision:
@@ -75,6 +85,7 @@ class Histograms(Calls):
     def __init__(self) -> None:
         super().__init__()
         self.found: dict[tuple[str, int], list[float]] = {}
+        self.rest: dict[tuple[str, int], dict[str, Any]] = {}  # min, max, num, sum, ...
 
     @property
     def experiment(self) -> Any:
@@ -83,6 +94,7 @@ class Histograms(Calls):
     def add_histogram_raw(self, *, tag: str, bucket_counts: list[float], global_step: int,
                           **rest: Any) -> None:  # fmt: skip
         self.found[(tag, global_step)] = list(bucket_counts)
+        self.rest[(tag, global_step)] = rest
 
 
 def test_gradients_under_a_grad_scaler_are_the_true_gradients() -> None:
@@ -102,6 +114,14 @@ def test_gradients_under_a_grad_scaler_are_the_true_gradients() -> None:
             places = np.searchsorted(EDGES, values.ravel(), side="right")
             expected = np.bincount(places, minlength=len(EDGES) + 1).tolist()
             assert logger.found[(f"h/{key}/abs", step)] == expected, (step, key)
+            rest = logger.rest[(f"h/{key}/abs", step)]  # TensorBoard's figures of |x|
+            assert rest["sum"] == pytest.approx(values.sum(), rel=1e-12)
+            assert rest["sum_squares"] == pytest.approx((values**2).sum(), rel=1e-9)
+            assert (rest["max"], rest["num"]) == (pytest.approx(values.max()), values.size)
+            edges = [0.0, *EDGES]  # the lower edge of the first non-empty count: a bound
+            first = edges.index(rest["min"])
+            assert expected[first] and not any(expected[:first])
+            assert edges[first] <= values.min() < [*EDGES, math.inf][first]
     assert [scales.at[s] for s in (0, 1, 2)] == [256.0, 512.0, 1024.0]  # grows every step
     assert recorder.seen[0]["model.layers.0/outputs"][0].dtype == np.float64  # (recorded)
     assert [step for step, _ in monitor.history] == [0, 2, 4, 6]
@@ -118,7 +138,9 @@ def test_gradients_under_a_grad_scaler_are_the_true_gradients() -> None:
 def test_an_overflow_the_scaler_skips_is_logged_not_raised() -> None:
     """A scale of 2**16 makes some float16 gradients infinite on step 0: the scaler skips
     it and halves its scale. The monitor logs the infinite counts (as NumPy counts them in
-    what the backward saw) and raises nothing, though ``on_nonfinite="raise"``."""
+    what the backward saw) and raises nothing, though ``on_nonfinite="raise"``. On step 1
+    only a weight's gradient overflows (no watched one): the scaler skips it too, and
+    ``grad_overflow`` says so (it is read from the scaler, not from the watched values)."""
     monitor = ActivationMonitor(SPEC, every_n_steps=1, tokens=None, on_nonfinite="raise")
     recorder, scales = Recorder(), Scales()
     trainer([recorder, scales, monitor], plugins=[fp16(2.0**16)], max_steps=3).fit(
@@ -127,15 +149,17 @@ def test_an_overflow_the_scaler_skips_is_logged_not_raised() -> None:
     # step 0 skipped (its watched gradients overflowed), step 1 too (a weight's gradient did)
     assert [scales.at[s] for s in (0, 1, 2)] == [2.0**16, 2.0**15, 2.0**14]
     assert monitor.nonfinite == []
-    overflowed = []
+    overflowed, watched_bad = [], []
     for step, logged in monitor.history:
         truth = true_figures(recorder, scales, step)
         assert_close(logged, truth)
         assert all(value == 0 for k, value in truth.items() if k.endswith("/outputs/nonfinite"))
         bad = sum(value for k, value in truth.items() if k.endswith("grad_outputs/nonfinite"))
+        watched_bad.append(bad > 0)
         overflowed.append(logged["health/grad_overflow"])
-        assert overflowed[-1] == float(bad > 0)
-    assert overflowed == [1.0, 0.0, 0.0]
+        assert overflowed[-1] == float(scales.skipped(step)), step
+    assert watched_bad == [True, False, False]  # step 1: only a weight's gradient overflowed
+    assert overflowed == [1.0, 1.0, 0.0]
 
 
 class Probed(Regression):
@@ -179,3 +203,61 @@ def test_a_resumed_fit_watches_its_first_step_and_continues_the_history(tmp_path
         assert set(logged) == set(truth)
     assert resumed.nonfinite == first.nonfinite
     assert resumed.nonfinite[0]["step"] == 1 and resumed.nonfinite[0]["key"] == "probe/outputs"
+
+
+class TwoSteps(Regression):
+    """Manual optimization: two backwards, each followed by an optimizer step, per batch
+    (the first row, then the second): the GradScaler's scale changes between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        for half in (slice(0, 1), slice(1, 2)):
+            loss = ((self.model(x[half]) - y[half]) ** 2).sum()
+            self.manual_backward(loss)
+            optimizer.step()  # type: ignore[union-attr]
+            optimizer.zero_grad()  # type: ignore[union-attr]
+
+
+class EveryScale(pl.Callback):
+    """The scale of every backward of a batch, in order (public, syncing API), under the
+    optimizer step the batch began at."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, list[float]] = {}
+        self.step = -1
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *rest: Any) -> None:
+        self.step = trainer.global_step
+
+    def on_before_backward(self, trainer: pl.Trainer, module: Any, loss: torch.Tensor) -> None:
+        scaler = trainer.precision_plugin.scaler  # type: ignore[attr-defined]
+        self.at.setdefault(self.step, []).append(scaler.get_scale())
+
+
+def test_each_backward_of_a_step_is_divided_by_its_own_scale() -> None:
+    """Each call's gradient is reduced with the scale of its own backward: the first
+    backward's (256 on step 0) and the second's (512, after the first step's update)."""
+    monitor = ActivationMonitor(SPEC, every_n_steps=2, tokens=None)
+    recorder, scales = Recorder(), EveryScale()
+    trainer([recorder, scales, monitor], plugins=[fp16(256.0)], max_steps=6).fit(
+        TwoSteps(), loader(8, 2)
+    )  # 3 batches of 2 optimizer steps; global steps 0, 2, 4 begin a batch: all watched
+    assert scales.at[0] == [256.0, 512.0] and scales.at[2] == [1024.0, 2048.0]
+    assert [step for step, _ in monitor.history] == [0, 2, 4]
+    for step, logged in monitor.history:
+        for key, arrays in recorder.seen[step].items():
+            assert len(arrays) == 2  # one a backward (or a forward) of a half batch
+            for call, array in enumerate(arrays):
+                divisor = scales.at[step][call] if "/grad_" in key else 1.0
+                name = key if call == 0 else f"{key}@{call}"
+                for figure, value in figures([array / divisor]).items():
+                    got = logged[f"health/{name}/{figure}"]
+                    if math.isnan(value):
+                        assert math.isnan(got), (step, name, figure)
+                    else:
+                        assert got == pytest.approx(value, rel=1e-9, abs=1e-15), (step, name)

@@ -1,0 +1,71 @@
+"""The monitor's transform of a watched batch: each captured tensor becomes its statistics
+vector on its device (:func:`~lightning_iocatch.probes.health.health_statistics`), a
+gradient under a GradScaler as that of the true gradient, with the scale of its own
+backward (the transform is applied as each gradient arrives).
+
+Examples:
+    >>> import torch
+    >>> from lightning_iocatch.capture.transform import Site
+    >>> statistics = _Statistics(None, histogram=False)
+    >>> statistics.capture(torch.ones(2, 3), Site("m", "outputs", 0))[:2].tolist()
+    [6.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_iocatch.capture.keys import entry_prefix
+from lightning_iocatch.capture.transform import Site
+from lightning_iocatch.probes.health import EDGES, HEAD, health_statistics
+from lightning_iocatch.token_mask import masks
+
+__all__: list[str] = []
+
+
+class _Statistics:
+    """The transform of a watched batch: each floating tensor becomes its statistics
+    vector, on its device; the order of the captures is kept (execution order)."""
+
+    def __init__(self, rows: torch.Tensor | None, histogram: bool) -> None:
+        self.rows, self.histogram = rows, histogram
+        self.order: list[str] = []  # the keys' prefixes, in the order captured
+        self.scale: torch.Tensor | None = None  # a GradScaler's scale of this backward
+
+    def capture(self, tensor: torch.Tensor, site: Site) -> torch.Tensor:
+        prefix = entry_prefix(site.module, site.kind, site.call)  # as the flat keys begin
+        if prefix not in self.order:
+            self.order.append(prefix)
+        if not tensor.is_floating_point():
+            return tensor.new_zeros(0, dtype=torch.float64)  # nothing to watch
+        rows = self.rows if masks(tensor, self.rows) else None
+        if self.scale is None or not site.kind.startswith("grad_"):
+            return _statistics(tensor, rows, self.histogram)
+        return _unscaled_statistics(tensor, rows, self.histogram, self.scale)
+
+
+def _statistics(tensor: torch.Tensor, rows: torch.Tensor | None, histogram: bool) -> torch.Tensor:
+    """:func:`health_statistics`; with a histogram, the sum of the finite ``|x|`` (for
+    TensorBoard's) right after its counts (merged by adding, as the counts are)."""
+    vector = health_statistics(tensor, rows, histogram)
+    if not histogram:
+        return vector
+    values = tensor.detach() if rows is None else tensor.detach()[rows.to(tensor.device)]
+    total = torch.where(torch.isfinite(values), values, 0).double().abs().sum()
+    at = HEAD + len(EDGES) + 1
+    return torch.cat([vector[:at], total.reshape(1), vector[at:]])
+
+
+def _unscaled_statistics(
+    tensor: torch.Tensor, rows: torch.Tensor | None, histogram: bool, scale: torch.Tensor
+) -> torch.Tensor:
+    """The statistics of a gradient taken in a backward of a loss multiplied by ``scale``
+    (a GradScaler's), as those of the true gradient, on the device: the moments divided by
+    the scale's powers, the counts unchanged (a histogram needs the values themselves)."""
+    scale = scale.to(tensor.device, torch.float64)
+    if histogram:
+        return _statistics(tensor.double() / scale, rows, histogram)
+    vector = health_statistics(tensor, rows, histogram)
+    one = torch.ones_like(scale)
+    divisor = torch.cat([one, scale, scale**2, scale**3, scale**4, scale, one, one])
+    return torch.cat([vector[:HEAD] / divisor, vector[HEAD:]])

@@ -154,8 +154,10 @@ def trained_lm(setup: Setup, cache: Path = CACHE) -> tuple[ByteLM, dict[str, Any
     lm.train()
     optimizer = torch.optim.AdamW(lm.parameters(), lr=setup.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, setup.train_steps)
-    for batch in ids.split(setup.train_batch):
+    for step, batch in enumerate(ids.split(setup.train_batch)):
         loss = lm.model(input_ids=batch, labels=batch).loss
+        if step % 50 == 0:
+            print(f"training the byte-level GPT-2: step {step}, loss {loss.item():.3f}", flush=True)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

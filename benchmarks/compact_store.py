@@ -172,8 +172,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny model, a few seconds")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5)")
     parser.add_argument("--json", action="store_true", help="print the JSON result too")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args()
     quiet()
+    torch.set_num_threads(args.threads)
     setup = QUICK if args.quick else FULL
     rounds = args.rounds or (1 if args.quick else 5)
     work = Path(tempfile.mkdtemp(prefix="compact-store-"))

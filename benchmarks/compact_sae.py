@@ -20,7 +20,7 @@ float32 is called out. A codec is lossless: where ``codec="zstd"`` is available 
 is checked to read bit-identical rows (``torch.equal``), and no SAE is trained on it.
 
 The SAE (TopK): ``codes`` = the ``k`` largest of ``(x / s - b_dec) W_enc + b_enc``, ReLU,
-the others 0; ``x_hat = s (codes W_dec + b_dec)``; 4 x the width in latents, ``k`` 32 (a
+the others 0; ``x_hat = s (codes W_dec + b_dec)``; 4 x the width in latents, ``k`` 8 (a
 fixed L0 at most ``k``: no sparsity penalty to tune per variant); loss ``|x/s - x_hat/s|^2``,
 Adam; ``s`` makes the first batch's mean squared norm equal the width, ``b_dec`` starts at
 its mean.
@@ -77,7 +77,7 @@ class Training:
     """The SAE's hyperparameters (the same for every variant)."""
 
     expansion: int = 4
-    k: int = 32  # active latents per token
+    k: int = 8  # active latents per token (1/16 of the width)
     steps: int = 3000
     batch: int = 256
     lr: float = 1e-3
@@ -320,6 +320,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny model, a few seconds")
     parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="SAE steps (default 3000)")
+    parser.add_argument("--k", type=int, default=None, help="active latents (default 8)")
     parser.add_argument("--json", action="store_true", help="print the JSON result too")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args()
@@ -328,6 +329,8 @@ def main() -> None:
     setup, training = (QUICK, QUICK_TRAINING) if args.quick else (FULL, Training())
     if args.steps:
         training = Training(**{**training.__dict__, "steps": args.steps})
+    if args.k:
+        training = Training(**{**training.__dict__, "k": args.k})
     seeds = tuple(range(args.seeds or (1 if args.quick else 3)))
     work = Path(tempfile.mkdtemp(prefix="compact-sae-"))
     try:

@@ -118,10 +118,11 @@ bench-health: venv
 
 # Compact stores (docs/compact-stores.md): float32, bfloat16, float8_e4m3fn, each with and
 # without codec="zstd", on token rows of a byte-level GPT-2 trained on the standard library
-# (trained once, ~3 minutes, cached in .cache/compact-study/). bench-compact: bytes per row,
-# dump and read throughput (about 3 minutes on 2 cores); bench-compact-sae: the same SAE
-# trained on each dtype's store, 3 seeds, evaluated on float32 activations of held-out text
-# (about 5 minutes). bench-compact-study: both.
+# (trained once, 5 minutes, cached in .cache/compact-study/). bench-compact: bytes per row,
+# dump and read throughput, 3 rounds (8 minutes with 5 rounds and 3 variants on 2 cores
+# shared at load 8); bench-compact-sae: the same SAE trained on each dtype's store, 3 seeds,
+# evaluated on float32 activations of held-out text (9 minutes, same machine).
+# bench-compact-study: both.
 bench-compact: venv
 	$(BIN)/python benchmarks/compact_store.py
 

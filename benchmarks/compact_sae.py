@@ -25,8 +25,8 @@ fixed L0 at most ``k``: no sparsity penalty to tune per variant); loss ``|x/s - 
 Adam; ``s`` makes the first batch's mean squared norm equal the width, ``b_dec`` starts at
 its mean.
 
-    python benchmarks/compact_sae.py            # about 5 minutes on 2 cores (+ the model's
-                                                # training once, ~3 min, cached)
+    python benchmarks/compact_sae.py            # 9 minutes on 2 shared cores, 3 dtypes
+                                                # (+ the model's training once, cached)
     python benchmarks/compact_sae.py --quick    # a few seconds
 """
 

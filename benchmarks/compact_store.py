@@ -18,8 +18,9 @@ tokens=TokenRows())`` as float32, bfloat16 and float8_e4m3fn, each without and w
   this is a **warm page cache** (nothing is dropped), i.e. decoding and gathering, not the
   disk.
 
-    python benchmarks/compact_store.py            # about 3 minutes on 2 cores (+ the
-                                                  # model's training once, ~3 min, cached)
+    python benchmarks/compact_store.py            # 8 minutes on 2 shared cores with 5
+                                                  # rounds and 3 variants (+ the model's
+                                                  # training once, 5 minutes, cached)
     python benchmarks/compact_store.py --quick    # a few seconds
 """
 
@@ -170,14 +171,14 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model, a few seconds")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3)")
     parser.add_argument("--json", action="store_true", help="print the JSON result too")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args()
     quiet()
     torch.set_num_threads(args.threads)
     setup = QUICK if args.quick else FULL
-    rounds = args.rounds or (1 if args.quick else 5)
+    rounds = args.rounds or (1 if args.quick else 3)
     work = Path(tempfile.mkdtemp(prefix="compact-store-"))
     try:
         result = measure(setup, rounds, work)

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers bench-atp bench-atp-cost test-peers-atp bench-health clean
+.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers bench-atp bench-atp-cost test-peers-atp bench-health bench-compact bench-compact-sae bench-compact-study clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -131,6 +131,21 @@ bench-atp-cost: venv
 # machine. About 12 minutes on 2 cores.
 bench-health: venv
 	$(BIN)/python benchmarks/health.py --threads 1 --clock cpu --direct
+
+# Compact stores (docs/compact-stores.md): float32, bfloat16, float8_e4m3fn, each with and
+# without codec="zstd", on token rows of a byte-level GPT-2 trained on the standard library
+# (trained once, 5 minutes, cached in .cache/compact-study/). bench-compact: bytes per row,
+# dump and read throughput, 3 rounds (8 minutes with 5 rounds and 3 variants on 2 cores
+# shared at load 8); bench-compact-sae: the same SAE trained on each dtype's store, 3 seeds,
+# evaluated on float32 activations of held-out text (9 minutes, same machine).
+# bench-compact-study: both.
+bench-compact: venv
+	$(BIN)/python benchmarks/compact_store.py
+
+bench-compact-sae: venv
+	$(BIN)/python benchmarks/compact_sae.py
+
+bench-compact-study: bench-compact bench-compact-sae
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .ruff_cache site .site-check

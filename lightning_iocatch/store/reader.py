@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_iocatch.checks import parse_dtype
+from lightning_iocatch.checks import parse_read_dtype
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.coded import CodedShard, KeptBlocks
@@ -113,7 +113,7 @@ class FeatureStore:
         dtype: torch.dtype | str | None = None,
     ) -> None:
         backend = open_backend(path, storage_options)
-        self.dtype = parse_dtype("dtype", dtype)
+        self.dtype = parse_read_dtype("dtype", dtype)
         self._progress = show_progress(progress)
         if type(dataloader_idx) is not int:
             raise TypeError(f"`dataloader_idx` must be an int, got {dataloader_idx!r}")

@@ -81,7 +81,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lightning_iocatch.checks import check_bool, check_int, parse_dtype
+from lightning_iocatch.checks import check_bool, check_int, parse_read_dtype
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.coded import KEPT_BYTES, KEPT_BYTES_MAX
 from lightning_iocatch.store.epoch_order import EpochSequence, StepPlan
@@ -167,7 +167,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         self.shuffle_rows = check_int("shuffle_rows", shuffle_rows, minimum=1)
         self.drop_last = check_bool("drop_last", drop_last)
         self.with_indices = check_bool("with_indices", with_indices)
-        self.dtype = parse_dtype("dtype", dtype)
+        self.dtype = parse_read_dtype("dtype", dtype)
         if incomplete not in _INCOMPLETE:
             raise ValueError(f"`incomplete` must be one of {_INCOMPLETE}, got {incomplete!r}")
         self._ranks: tuple[int, int] | None = None

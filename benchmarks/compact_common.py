@@ -226,6 +226,11 @@ def block_outputs(lm: ByteLM, setup: Setup, ids: torch.Tensor) -> torch.Tensor:
 
 
 def records_scale(path: Path) -> bool:
-    """Whether the store's metadata mentions a scale (fp8 with scales, as opposed to a
-    plain cast to fp8)."""
-    return "scale" in (path / "store.json").read_text()
+    """Whether the store holds keys in 8-bit floats and each of them with a scale per row
+    (its records' ``scaled``, which FeatureStore's metadata gives as ``"scaled": "row"``),
+    as opposed to a plain cast to fp8."""
+    from lightning_iocatch import FeatureStore
+
+    keys = FeatureStore(path).metadata["keys"]
+    eight_bit = [info for info in keys.values() if info["dtype"].startswith("float8")]
+    return bool(eight_bit) and all(info.get("scaled") == "row" for info in eight_bit)

@@ -3,6 +3,11 @@
 Examples:
     >>> parse_dtype("dtype", "bfloat16")
     torch.bfloat16
+    >>> try:
+    ...     parse_dtype("dtype", "fp8")
+    ... except ValueError as error:
+    ...     print(str(error).split("; ")[1])
+    got str ('fp8'): did you mean 'float8_e4m3fn'?
     >>> check_int("max_shard_bytes", True, minimum=1)
     Traceback (most recent call last):
     ...
@@ -11,11 +16,43 @@ Examples:
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import torch
 
-__all__ = ["check_bool", "check_int", "check_optional_bool", "parse_device", "parse_dtype"]
+_FLOATS = [
+    name
+    for name in dir(torch)
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype) and dtype.is_floating_point
+]
+
+__all__ = [
+    "check_bool",
+    "check_int",
+    "check_optional_bool",
+    "parse_device",
+    "parse_dtype",
+    "parse_read_dtype",
+]
+
+_CLOSE = {  # names people write for a dtype torch spells otherwise
+    "fp8": "float8_e4m3fn",
+    "f8": "float8_e4m3fn",
+    "float8": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+    "fp8_e5m2": "float8_e5m2",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "fp64": "float64",
+    "f64": "float64",
+}
 
 
 def _got(value: Any) -> str:
@@ -67,8 +104,38 @@ def parse_dtype(name: str, value: Any) -> torch.dtype | None:
     if isinstance(value, str):
         parsed = getattr(torch, value.removeprefix("torch."), None)
     if not isinstance(parsed, torch.dtype) or not parsed.is_floating_point:
+        close = ""
+        if isinstance(value, str):
+            key = value.strip().lower().removeprefix("torch.").replace("-", "_")
+            found = _CLOSE.get(key) or next(iter(difflib.get_close_matches(key, _FLOATS)), None)
+            close = f": did you mean {found!r}?" if found else ""
         raise ValueError(
-            f"`{name}` must be a floating-point torch dtype or its name such as 'float16' or "
-            f"'bfloat16', got {_got(value)}"
+            f"`{name}` must be a floating-point torch dtype or its name: 'float32', 'float16', "
+            "'bfloat16', or to store 'float8_e4m3fn' or 'float8_e5m2' (scaled per row); got "
+            f"{_got(value)}{close}"
+        )
+    return parsed
+
+
+def parse_read_dtype(name: str, value: Any) -> torch.dtype | None:
+    """:func:`parse_dtype` for a dtype to read a store in: 8-bit floats refused (a plain
+    cast, without the store's scale per row, would turn 1000 into 448 and 1e-4 into 0).
+
+    Examples:
+        >>> parse_read_dtype("dtype", "float16")
+        torch.float16
+        >>> try:
+        ...     parse_read_dtype("dtype", torch.float8_e4m3fn)
+        ... except ValueError as error:
+        ...     print(str(error).split(". ")[1].split(":")[0])
+        Read as float32, bfloat16 or float16
+    """
+    parsed = parse_dtype(name, value)
+    if parsed is not None and parsed.itemsize == 1:
+        raise ValueError(
+            f"`{name}` {str(parsed).removeprefix('torch.')} cannot be read into: an 8-bit "
+            "float has no room for the values of most rows without their scale (1000 would "
+            "read 448, 1e-4 would read 0). Read as float32, bfloat16 or float16: a key "
+            "stored in 8-bit floats is read dequantized (float32 by default)."
         )
     return parsed

@@ -164,7 +164,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"dataloader {args.dataloader_idx} of {meta['dataloaders']}")
     if args.verify:
         print(f"checksums  every {store.backend.commit_point} and every shard match their CRC-32")
-    print(f"\n{'key':<56} {'dtype':<10} {'row shape':<16} {'rows':>8}")
+    table = [("key", "dtype", "row shape", "rows")]
     for key, info in meta["keys"].items():
         shape = "varies" if info["shape"] is None else str(tuple(info["shape"]))
         if key in meta["per_batch"]:
@@ -173,7 +173,13 @@ def _inspect(args: argparse.Namespace) -> int:
             count = store.row_count(key)
             rows = str(count) if count == len(store) else f"{count} of {len(store)}"
         dtype = info["dtype"] + (" (scaled per row)" if info.get("scaled") else "")
-        print(f"{key:<56} {dtype:<10} {shape:<16} {rows:>8}")
+        table.append((key, dtype, shape, rows))
+    widths = [
+        max(least, *(len(row[n]) for row in table)) for n, least in enumerate((56, 10, 16, 8))
+    ]
+    print()
+    for key, dtype, shape, rows in table:  # columns as wide as their widest entry
+        print(f"{key:<{widths[0]}} {dtype:<{widths[1]}} {shape:<{widths[2]}} {rows:>{widths[3]}}")
     for key, reason in meta["skipped"].items():
         print(f"{key:<56} skipped: {reason}")
     problems = []

@@ -74,7 +74,13 @@ class FeatureWriter(CaptureSink):
             ``"float8_e5m2"``) stores each floating tensor with a float32 scale per row
             (``max|x| / 448`` for e4m3fn; see :mod:`~lightning_iocatch.store.shard_file`),
             computed on the capture's device; readers return it dequantized (float32 by
-            default, or the ``dtype=`` they ask for).
+            default, or the ``dtype=`` they ask for). A key whose rows are single values
+            (0-d, shape ``(batch,)`` or ``(batch, 1)``) is stored as float32, unscaled: a
+            4-byte scale per 1-byte value would make it bigger than float32. A float64
+            value beyond float32's range (these keys are read in float32) is refused. The fnuz
+            variants (``"float8_e4m3fnuz"``, largest 240; ``"float8_e5m2fnuz"``, largest
+            57344) are stored the same way; they have no negative zero (-0.0 reads 0.0) and
+            no infinity (an infinity reads NaN).
         codec: ``"zstd"`` compresses each shard's tensors losslessly (needs
             ``pip install lightning-iocatch[zstd]``), in blocks of whole rows (about 1 MiB)
             so that a read of some rows, also a ranged read on object storage, fetches and

@@ -31,6 +31,7 @@ The rules a :class:`~lightning_iocatch.store.writer.ShardWriter` applies through
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,13 @@ from lightning_iocatch.store.index_set import IndexSet
 from lightning_iocatch.store.names import INDEX_KEY, POSITION_KEY, RESERVED_KEYS, TOKEN_ID_KEY
 from lightning_iocatch.store.plan import StorePlan
 from lightning_iocatch.store.records import BatchRecord
-from lightning_iocatch.store.shard_file import SCALED_DTYPES, STORABLE_DTYPES, dtype_name, quantize
+from lightning_iocatch.store.shard_file import (
+    SCALED_DTYPES,
+    STORABLE_DTYPES,
+    dtype_name,
+    quantize,
+    unscaled,
+)
 from lightning_iocatch.store.tokens import TokenSelection
 
 __all__ = ["RowSelector", "SelectedBatch"]
@@ -78,6 +85,7 @@ class RowSelector:
         self.dtype = dtype
         self._seen = {loader: copy.deepcopy(seen) for loader, seen in plan.committed.items()}
         self._kinds = {key: _ROWS for key in plan.row_keys} | {k: _BATCH for k in plan.batch_keys}
+        self._single: dict[str, bool] = {}  # key -> rows of one value: float32, not scaled
 
     def has(self, dataloader_idx: int, indices: Sequence[int]) -> bool:
         """True when every one of ``indices`` is committed or already written in this run."""
@@ -219,9 +227,13 @@ class RowSelector:
         elif tensor.is_meta:
             problem = "a meta tensor, which holds no data"
         else:
+            single = tensor.dim() < 2 or math.prod(tensor.shape[1:]) == 1
             if self.dtype in SCALED_DTYPES and tensor.is_floating_point():
-                tensor, scale = quantize(tensor.detach(), self.dtype)
-                scale = scale.to("cpu")
+                if self._single.setdefault(key, single):  # a scale would outweigh the value
+                    tensor = unscaled(tensor.detach(), self.dtype, key)
+                else:
+                    tensor, scale = quantize(tensor.detach(), self.dtype, key)
+                    scale = scale.to("cpu")
             elif self.dtype is not None and tensor.is_floating_point():
                 tensor = tensor.to(self.dtype)
             if tensor.dtype not in STORABLE_DTYPES:

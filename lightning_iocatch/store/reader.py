@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_iocatch.checks import parse_dtype
+from lightning_iocatch.checks import parse_read_dtype
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import StoreBackend
-from lightning_iocatch.store.backends.coded import CodedShard
+from lightning_iocatch.store.backends.coded import CodedShard, KeptBlocks
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.coverage import gaps, listed, refuse_duplicates, sample_array
 from lightning_iocatch.store.names import POSITION_KEY, TOKEN_ID_KEY
@@ -113,7 +113,7 @@ class FeatureStore:
         dtype: torch.dtype | str | None = None,
     ) -> None:
         backend = open_backend(path, storage_options)
-        self.dtype = parse_dtype("dtype", dtype)
+        self.dtype = parse_read_dtype("dtype", dtype)
         self._progress = show_progress(progress)
         if type(dataloader_idx) is not int:
             raise TypeError(f"`dataloader_idx` must be an int, got {dataloader_idx!r}")
@@ -130,8 +130,10 @@ class FeatureStore:
         committed = backend.committed(self._info["format"], progress=self._progress)
         shards = backend.open_shards(committed)
         self._records = [entry.record for entry in committed.entries]
+        self._kept = KeptBlocks()  # decoded blocks of shards written with a codec
         self._sources = [
-            CommittedShard(shards[e.record.file], e, self.dtype) for e in committed.entries
+            CommittedShard(shards[e.record.file], e, self.dtype, self._kept)
+            for e in committed.entries
         ]
         if verify:
             self.verify()

@@ -14,7 +14,10 @@ zeros gets scale 1 (read back as exact zeros); values saturate at ``±max``, nev
 A NaN is stored as NaN; an infinity as infinity where the format has one
 (``float8_e5m2``), else as NaN (``float8_e4m3fn`` has none, and torch's cast would
 saturate it to 448 silently); the row's other values keep their scale. The rule is
-recorded in the shard's metadata and its record (``scaled``: key -> ``"row"``).
+recorded in the shard's metadata and its record (``scaled``: key -> ``"row"``). A row
+holding a float64 value beyond float32's range is refused (:class:`StoreError`): it is read
+in float32. A key whose rows are single values is stored as float32, unscaled
+(:func:`unscaled`): a 4-byte scale per 1-byte value would outweigh it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import IO, Any
 
 import torch
 
+from lightning_iocatch.errors import StoreError
+
 __all__ = [
     "READABLE_CODES",
     "SCALED_DTYPES",
@@ -37,6 +42,7 @@ __all__ = [
     "dtype_name",
     "quantize",
     "scale_name",
+    "unscaled",
     "write_all",
     "write_safetensors",
 ]
@@ -86,9 +92,13 @@ def scale_name(position: int, key: str) -> str:
     return f"b{position}.scale/{key}"
 
 
-def quantize(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    tensor: torch.Tensor, dtype: torch.dtype, key: str = "tensor"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``tensor`` (floating) as ``dtype`` (one of :data:`SCALED_DTYPES`) and its float32
-    scale per row (see the module docstring), on ``tensor``'s device.
+    scale per row (see the module docstring), on ``tensor``'s device. A row holding a value
+    beyond float32's range (float64 only), which it would be read in, is refused with a
+    :class:`StoreError` naming ``key`` and the value.
 
     Example:
         >>> stored, scale = quantize(torch.tensor([[896.0, -1.0], [0.0, 0.0]]), torch.float8_e4m3fn)
@@ -104,12 +114,35 @@ def quantize(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
         finite = torch.isfinite(wide)
         peak = torch.where(finite, wide.abs(), 0).amax(1)
     scale = torch.where(peak > 0, peak / largest, 1.0).to(torch.float32)
+    _check_range(peak, dtype, key)
     scale = torch.where(scale > 0, scale, torch.finfo(torch.float32).tiny)  # underflowed
     scaled = (wide / scale.to(wide.dtype)[:, None]).clamp_(-largest, largest)
     if finite is not None:
         scaled = torch.where(finite, scaled, wide)  # NaN and infinities as they are
     stored = _to_float8(scaled, dtype, finite=finite is None)  # no infinity: NaN
     return stored.reshape(tensor.shape), scale.reshape(tensor.shape[:1])
+
+
+def unscaled(tensor: torch.Tensor, dtype: torch.dtype, key: str = "tensor") -> torch.Tensor:
+    """``tensor`` (floating, rows of one value) as float32, where a store in ``dtype`` (one
+    of :data:`SCALED_DTYPES`) keeps it: a value beyond float32 refused as by :func:`quantize`."""
+    if tensor.dtype == torch.float64 and tensor.numel():
+        wide = tensor.reshape(-1, 1)
+        _check_range(torch.where(torch.isfinite(wide), wide.abs(), 0).amax(1), dtype, key)
+    return tensor.to(torch.float32)
+
+
+def _check_range(peak: torch.Tensor, dtype: torch.dtype, key: str) -> None:
+    """Refuse a row whose largest finite value ``peak`` is beyond float32 (read in it)."""
+    highest = torch.finfo(torch.float32).max
+    if bool((peak > highest).any()):  # float64 only
+        row = int((peak > highest).nonzero()[0])
+        raise StoreError(
+            f"cannot store {key!r} in {dtype_name(dtype)}: row {row} holds "
+            f"{float(peak[row]):.4g}, beyond {highest:.4g}, the largest float32 (a scaled "
+            "row is read in float32); store it with FeatureWriter(dtype=None), as captured, "
+            "or bring its values down in the model"
+        )
 
 
 def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

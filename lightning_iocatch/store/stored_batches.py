@@ -31,7 +31,7 @@ import torch
 
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Shard
-from lightning_iocatch.store.backends.coded import CodedShard
+from lightning_iocatch.store.backends.coded import CodedShard, KeptBlocks
 from lightning_iocatch.store.backends.safetensors_layout import Span
 from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.index_set import IndexSet
@@ -59,12 +59,19 @@ class CommittedShard:
     before any tensor is read from it; its ``__index__`` tensors against their summaries.
 
     ``dtype``: the floating dtype floating keys are read as (``None``: as stored, and
-    float32 for a key stored scaled, which is always read dequantized).
+    float32 for a key stored scaled, which is always read dequantized). ``kept``: where
+    a shard written with a codec keeps its decoded blocks (shared by a reader's shards).
     """
 
-    def __init__(self, shard: Shard, entry: LedgerEntry, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        entry: LedgerEntry,
+        dtype: torch.dtype | None = None,
+        kept: KeptBlocks | None = None,
+    ) -> None:
         if entry.record.codec is not None:
-            shard = CodedShard(shard)  # read as the tensors it was given
+            shard = CodedShard(shard, kept)  # read as the tensors it was given
         self.shard, self.entry, self.dtype = shard, entry, dtype
         self._checked = False
 

@@ -72,6 +72,7 @@ Examples:
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -80,12 +81,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lightning_iocatch.checks import check_bool, check_int, parse_dtype
+from lightning_iocatch.checks import check_bool, check_int, parse_read_dtype
 from lightning_iocatch.errors import StoreError
+from lightning_iocatch.store.backends.coded import KEPT_BYTES, KEPT_BYTES_MAX
 from lightning_iocatch.store.epoch_order import EpochSequence, StepPlan
 from lightning_iocatch.store.names import INDEX_KEY
 from lightning_iocatch.store.reader import FeatureStore, OnDuplicate
 from lightning_iocatch.store.row_gather import Block, Column, RowGather
+from lightning_iocatch.store.shard_codec import BLOCK_BYTES
 
 __all__ = ["INDEX", "SHUFFLE_ROWS", "StoreRows"]
 
@@ -118,8 +121,10 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         shuffle: draw the order from ``(seed, epoch)``; ``False`` reads in commit order.
         seed: the seed of the order.
         shuffle_rows: rows are shuffled within windows of this many rows of the blocks'
-            order (65,536 by default); unused without ``shuffle``. It shapes the order, not
-            the memory: each worker holds a batch.
+            order (65,536 by default); unused without ``shuffle``. It shapes the order, and
+            on a store written with a codec the memory: each worker keeps a window's
+            decoded blocks (at most 1 GiB, ``KEPT_BYTES_MAX``; a wider window decodes
+            blocks more than once: pass fewer rows).
         drop_last: yield only full batches (rows left out change with the epoch).
         with_indices: add each row's dataset index under ``"index"``.
         dtype: cast floating keys to this floating dtype (default: as stored; a key stored
@@ -162,7 +167,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         self.shuffle_rows = check_int("shuffle_rows", shuffle_rows, minimum=1)
         self.drop_last = check_bool("drop_last", drop_last)
         self.with_indices = check_bool("with_indices", with_indices)
-        self.dtype = parse_dtype("dtype", dtype)
+        self.dtype = parse_read_dtype("dtype", dtype)
         if incomplete not in _INCOMPLETE:
             raise ValueError(f"`incomplete` must be one of {_INCOMPLETE}, got {incomplete!r}")
         self._ranks: tuple[int, int] | None = None
@@ -179,6 +184,8 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         self._columns = self._check_columns(store)
         self._blocks = _layout(store, self.keys, incomplete)
         self.rows = sum(block.rows for block in self._blocks)
+        if self.shuffle:  # decoded blocks of a window kept: each decoded about once a window
+            store._kept.resize(_window_bytes(self._columns, self.shuffle_rows))
         if not self.rows:
             raise StoreError(f"{self.path} holds no rows of {list(self.keys)}")
         self._digest = hashlib.blake2b(
@@ -401,6 +408,15 @@ def _data_parallel_rank() -> tuple[int, int]:
             "first batch), or pass StoreRows(..., rank=..., world_size=...)"
         )
     return 0, 1
+
+
+def _window_bytes(columns: Mapping[str, Column], rows: int) -> int:
+    """Decoded bytes of a shuffle window of ``rows`` rows of ``columns`` and of the blocks at
+    its ends, within :data:`KEPT_BYTES` and :data:`KEPT_BYTES_MAX`."""
+    tensors = sum(1 + c.scaled for c in columns.values()) + 1  # and the __index__
+    row = sum(c.stored.itemsize * math.prod(c.shape) + 4 * c.scaled for c in columns.values())
+    ends = 4 * tensors * max(BLOCK_BYTES, row)
+    return min(KEPT_BYTES_MAX, max(KEPT_BYTES, (row + 8) * rows + ends))
 
 
 def _parse_keys(keys: str | Sequence[str]) -> tuple[str, ...]:

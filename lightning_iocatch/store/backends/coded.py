@@ -5,13 +5,19 @@ a codec (see :mod:`lightning_iocatch.store.shard_codec`). Its header and spans a
 the tensors as written: the spans lie in a virtual address space, the file as it would be
 uncompressed, so that a reader that gathers rows by byte offsets (the training reader's
 :meth:`gather`) works unchanged. A read of rows fetches the compressed blocks holding them
-(one ranged read per run of close blocks on object storage) and decodes those only; the
-last few blocks decoded are kept, for readers that go through a shard in order.
+(one ranged read per run of close blocks on object storage) and decodes those only.
+
+Decoded blocks are kept in a :class:`KeptBlocks`, bounded by bytes (not by count: a small
+block of scales or indices costs its bytes, and pushes out no block of data) and shared by
+the shards of one reader: a :class:`~lightning_iocatch.FeatureStore` keeps
+:data:`KEPT_BYTES`; a shuffled :class:`~lightning_iocatch.StoreRows` sizes it to its shuffle
+window (at most :data:`KEPT_BYTES_MAX`), so that a shuffled epoch decodes each block about
+once.
 """
 
 from __future__ import annotations
 
-import contextlib
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -24,26 +30,77 @@ from lightning_iocatch.store.backends.base import Shard
 from lightning_iocatch.store.backends.safetensors_layout import Span, byte_rows, to_tensor
 from lightning_iocatch.store.shard_codec import CodedTensor, decode_block, parse_codec
 
-__all__ = ["CodedShard"]
+__all__ = ["KEPT_BYTES", "KEPT_BYTES_MAX", "CodedShard", "KeptBlocks"]
 
-_KEPT_BLOCKS = 8  # decoded blocks kept per shard (about 8 MiB)
+KEPT_BYTES = 64 << 20
+"""Decoded bytes a reader keeps by default (64 MiB)."""
+
+KEPT_BYTES_MAX = 1 << 30
+"""The most decoded bytes a shuffled StoreRows keeps (1 GiB, per DataLoader worker): a
+shuffle window holding more decodes blocks more than once (pass a smaller
+``shuffle_rows``)."""
+
+
+class KeptBlocks:
+    """Decoded blocks, the least recently used dropped once they hold more than ``limit``
+    bytes; safe across threads. Pickled empty (each process decodes its own)."""
+
+    def __init__(self, limit: int = KEPT_BYTES) -> None:
+        self.limit = limit
+        self._blocks: OrderedDict[tuple[str, str, int], np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"limit": self.limit}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.limit, self._blocks, self._bytes = state["limit"], OrderedDict(), 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """The decoded bytes kept now."""
+        return self._bytes
+
+    def resize(self, limit: int) -> None:
+        """Keep at most ``limit`` bytes from now on."""
+        with self._lock:
+            self.limit = limit
+            self._drop()
+
+    def get(self, key: tuple[str, str, int]) -> np.ndarray | None:
+        with self._lock:
+            data = self._blocks.get(key)
+            if data is not None:
+                self._blocks.move_to_end(key)
+            return data
+
+    def put(self, key: tuple[str, str, int], data: np.ndarray) -> None:
+        with self._lock:
+            if key in self._blocks or data.nbytes > self.limit:
+                return
+            self._blocks[key] = data
+            self._bytes += data.nbytes
+            self._drop()
+
+    def _drop(self) -> None:
+        while self._bytes > self.limit:
+            self._bytes -= self._blocks.popitem(last=False)[1].nbytes
 
 
 class CodedShard(Shard):
     """The shard ``raw``, written with a codec, as the tensors it holds (see the module
     docstring); its CRC-32 is that of the file's (compressed) bytes."""
 
-    def __init__(self, raw: Shard) -> None:
+    def __init__(self, raw: Shard, kept: KeptBlocks | None = None) -> None:
         self.raw, self.name = raw, raw.name
         self._layout: tuple[bool, dict[str, CodedTensor], dict[str, Span]] | None = None
         self._physical: dict[str, list[int]] = {}  # name -> each block's first byte, and end
-        self._kept: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self.kept = KeptBlocks() if kept is None else kept
 
     def __str__(self) -> str:
         return str(self.raw)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_kept": OrderedDict()}
 
     def _tensors(self) -> tuple[bool, dict[str, CodedTensor], dict[str, Span]]:
         if self._layout is None:
@@ -148,7 +205,7 @@ class CodedShard(Shard):
     def _blocks(self, name: str, blocks: list[int]) -> dict[int, np.ndarray]:
         """The decoded ``blocks`` of ``name``: those kept, and the others fetched together."""
         shuffle, coded, _ = self._tensors()
-        kept = ((b, self._kept.get((name, b))) for b in blocks)  # .get: safe across threads
+        kept = ((b, self.kept.get((self.name, name, b))) for b in blocks)
         found = {b: data for b, data in kept if data is not None}
         todo = [b for b in blocks if b not in found]
         bounds = self._physical[name]
@@ -156,10 +213,7 @@ class CodedShard(Shard):
         for block, data in zip(todo, raw, strict=True):
             where = f"shard {self} tensor {name!r} block {block}"
             found[block] = decode_block(data, coded[name], block, shuffle, where)
-            self._kept[(name, block)] = found[block]
-            while len(self._kept) > _KEPT_BLOCKS:
-                with contextlib.suppress(KeyError):  # another thread took it first
-                    self._kept.popitem(last=False)
+            self.kept.put((self.name, name, block), found[block])
         return found
 
     def check_blocks(self) -> None:

@@ -201,6 +201,25 @@ def variant_name(dtype: str, codec: str | None) -> str:
     return dtype if codec is None else f"{dtype}+{codec}"
 
 
+def accepted_variants(
+    work: Path, dtypes: tuple[str, ...], codecs: tuple[str | None, ...]
+) -> tuple[dict[str, FeatureWriter], dict[str, str]]:
+    """A writer into ``work/{variant}`` for every dtype and codec this library accepts, and
+    why it refuses the others (each refusal printed)."""
+    writers: dict[str, FeatureWriter] = {}
+    refused: dict[str, str] = {}
+    for dtype in dtypes:
+        for codec in codecs:
+            name = variant_name(dtype, codec)
+            made = writer(work / name, dtype, codec)
+            if isinstance(made, str):
+                refused[name] = made
+                print(f"skipped {name}: the writer refuses it ({made})")
+            else:
+                writers[name] = made
+    return writers, refused
+
+
 def dump(lm: ByteLM, setup: Setup, ids: torch.Tensor, out: FeatureWriter) -> float:
     """Dump the block's output of ``ids`` with ``out``; the predict run's seconds."""
     capture = IOCaptureCallback(f"outputs[{setup.module}]", early_exit=True, writer=out)

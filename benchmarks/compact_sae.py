@@ -51,6 +51,7 @@ from compact_common import (
     QUICK,
     ByteLM,
     Setup,
+    accepted_variants,
     block_outputs,
     dump,
     dump_ids,
@@ -60,8 +61,6 @@ from compact_common import (
     records_scale,
     store_bytes,
     trained_lm,
-    variant_name,
-    writer,
 )
 from torch import nn
 from torch.utils.data import DataLoader
@@ -204,19 +203,12 @@ def study(
     SAEs and the language model (not printed)."""
     lm, trained = trained_lm(setup, cache)
     ids = dump_ids(setup)
+    writers, skipped = accepted_variants(work, DTYPES, CODECS)
     paths: dict[str, Path] = {}
-    skipped: dict[str, str] = {}
     rows: dict[str, int] = {}
-    for dtype in DTYPES:
-        for codec in CODECS:
-            name = variant_name(dtype, codec)
-            out = writer(work / name, dtype, codec)
-            if isinstance(out, str):
-                skipped[name] = out
-                print(f"skipped {name}: the writer refuses it ({out})")
-                continue
-            dump(lm, setup, ids, out)
-            paths[name], rows[name] = work / name, out.rows_written
+    for name, out in writers.items():
+        dump(lm, setup, ids, out)
+        paths[name], rows[name] = work / name, out.rows_written
     held_out = eval_ids(setup)
     x = block_outputs(lm, setup, held_out)
     runs: dict[str, dict[int, dict[str, float]]] = {}

@@ -44,13 +44,13 @@ from compact_common import (
     FULL,
     QUICK,
     Setup,
+    accepted_variants,
     dump,
     dump_ids,
     quiet,
     records_scale,
     store_bytes,
     trained_lm,
-    variant_name,
     writer,
 )
 from torch.utils.data import DataLoader
@@ -96,17 +96,8 @@ def measure(setup: Setup, rounds: int, work: Path) -> dict[str, Any]:
     """Every variant's bytes per row, dump and read throughput."""
     lm, trained = trained_lm(setup)
     ids = dump_ids(setup)
-    paths: dict[str, Path] = {}
-    skipped: dict[str, str] = {}
-    for dtype in DTYPES:
-        for codec in CODECS:
-            name = variant_name(dtype, codec)
-            made = writer(work / name, dtype, codec)
-            if isinstance(made, str):
-                skipped[name] = made
-                print(f"skipped {name}: the writer refuses it ({made})")
-            else:
-                paths[name] = work / name
+    writers, skipped = accepted_variants(work, DTYPES, CODECS)
+    paths = {name: work / name for name in writers}
     rows: dict[str, int] = {}
 
     def dump_once(name: str) -> float:

@@ -38,7 +38,11 @@ docs: venv
 unit: venv
 	$(BIN)/pytest -q -n 2 --dist worksteal
 
-test: lint typecheck docs-check test-install unit
+# The checks before the suite each use one core: two at a time (CI has 2 cores), after the
+# environment is built once; then the suite on both cores.
+test: venv
+	$(MAKE) -j2 --output-sync=target lint typecheck docs-check test-install
+	$(MAKE) unit
 
 # The package as a user installs it: `python -m build` (an sdist, and the wheel built from
 # it), the wheel installed with the pinned CPU torch (a local wheel) into a fresh virtual

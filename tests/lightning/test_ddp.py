@@ -38,12 +38,13 @@ def test_a_two_process_cpu_dump_exits_cleanly_every_time(tmp_path: Path) -> None
     """Before, about 1 run in 6 ended with one process aborting at interpreter exit
     ("terminate called without an active exception": gloo's worker thread freed the last
     collective, the writer's end-of-dump agreement, while Python shut down); measured 6 of
-    36 runs here, 0 of 36 after. Six runs, each rank's exit checked through its stderr."""
+    36 runs here, 0 of 36 after. Three runs, each rank's exit checked through its stderr
+    (the mechanism itself is tested deterministically below)."""
     from tests.store.test_writer_resume import save_weights
 
     weights = save_weights(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DUMP_WEIGHTS": str(weights)}
-    for run in range(6):
+    for run in range(3):
         result = subprocess.run(
             [
                 sys.executable,

@@ -152,4 +152,4 @@ bench-compact-sae: venv
 bench-compact-study: bench-compact bench-compact-sae
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .ruff_cache site .site-check
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .ruff_cache site .site-check build/test-install

@@ -42,10 +42,9 @@ def log_histograms(
     prefix: str,
     figures: dict[str, HealthFigures],
     step: int,
-    abs_sums: dict[str, float],
 ) -> None:
     """Each key's histogram of ``|x|`` as ``{prefix}/{key}/abs`` to every logger that takes
-    histograms (process 0 only); ``abs_sums``: each key's sum of ``|x|``."""
+    histograms (process 0 only)."""
     if not trainer.is_global_zero:
         return
     found = {key: one for key, one in figures.items() if one.count}
@@ -61,7 +60,7 @@ def log_histograms(
                 first = next(i for i, count in enumerate(one.histogram) if count)
                 add(
                     tag=f"{prefix}/{key}/abs", min=edges[first], max=one.absmax,
-                    num=one.count, sum=abs_sums[key], sum_squares=one.sums[1],
+                    num=one.count, sum=one.abs_sum, sum_squares=one.sums[1],
                     bucket_limits=edges[1:],
                     bucket_counts=list(one.histogram), global_step=step,
                 )  # fmt: skip

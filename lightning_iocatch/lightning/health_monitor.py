@@ -287,14 +287,11 @@ class ActivationMonitor(pl.Callback):
             self._layout.forget()
         figures: dict[str, HealthFigures] = {}
         parts: dict[str, torch.Tensor] = {}
-        abs_sums: dict[str, float] = {}
         for key, (part, units_valid) in blocks.items():
             merged = merge_statistics(part)
-            head = self._head() - (1 if self.histograms else 0)  # without the sum of |x|
-            if self.histograms:
-                abs_sums[key] = float(merged[head])
-                merged = torch.cat([merged[:head], merged[head + 1 :]])
-            found = HealthFigures.of(merged if units_valid else merged[:head], self.histograms)
+            found = HealthFigures.of(
+                merged if units_valid else merged[: self._head()], self.histograms
+            )
             if found.count or found.nan or found.inf:  # not a key no process saw
                 figures[key], parts[key] = found, part
         if not figures:
@@ -317,7 +314,7 @@ class ActivationMonitor(pl.Callback):
         self.history.append((step, logged))
         del self.history[: -self.history_size]
         if self.histograms:
-            log_histograms(trainer, self.prefix, figures, step, abs_sums)
+            log_histograms(trainer, self.prefix, figures, step)
         if bad and not overflow:
             self._trace_nonfinite(step, figures, bad, order, indices, parts)
 

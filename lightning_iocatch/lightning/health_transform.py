@@ -17,7 +17,7 @@ import torch
 
 from lightning_iocatch.capture.keys import entry_prefix
 from lightning_iocatch.capture.transform import Site
-from lightning_iocatch.probes.health import EDGES, HEAD, health_statistics
+from lightning_iocatch.probes.health import HEAD, health_statistics
 from lightning_iocatch.token_mask import masks
 
 __all__: list[str] = []
@@ -40,20 +40,8 @@ class _Statistics:
             return tensor.new_zeros(0, dtype=torch.float64)  # nothing to watch
         rows = self.rows if masks(tensor, self.rows) else None
         if self.scale is None or not site.kind.startswith("grad_"):
-            return _statistics(tensor, rows, self.histogram)
+            return health_statistics(tensor, rows, self.histogram)
         return _unscaled_statistics(tensor, rows, self.histogram, self.scale)
-
-
-def _statistics(tensor: torch.Tensor, rows: torch.Tensor | None, histogram: bool) -> torch.Tensor:
-    """:func:`health_statistics`; with a histogram, the sum of the finite ``|x|`` (for
-    TensorBoard's) right after its counts (merged by adding, as the counts are)."""
-    vector = health_statistics(tensor, rows, histogram)
-    if not histogram:
-        return vector
-    values = tensor.detach() if rows is None else tensor.detach()[rows.to(tensor.device)]
-    total = torch.where(torch.isfinite(values), values, 0).double().abs().sum()
-    at = HEAD + len(EDGES) + 1
-    return torch.cat([vector[:at], total.reshape(1), vector[at:]])
 
 
 def _unscaled_statistics(
@@ -64,7 +52,7 @@ def _unscaled_statistics(
     the scale's powers, the counts unchanged (a histogram needs the values themselves)."""
     scale = scale.to(tensor.device, torch.float64)
     if histogram:
-        return _statistics(tensor.double() / scale, rows, histogram)
+        return health_statistics(tensor.double() / scale, rows, histogram)
     vector = health_statistics(tensor, rows, histogram)
     one = torch.ones_like(scale)
     divisor = torch.cat([one, scale, scale**2, scale**3, scale**4, scale, one, one])

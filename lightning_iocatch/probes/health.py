@@ -43,8 +43,8 @@ def health_statistics(
     tensor: torch.Tensor, rows: torch.Tensor | None = None, histogram: bool = False
 ) -> torch.Tensor:
     """The statistics vector of ``tensor`` (float64, on its device: ``HEAD``, with
-    ``histogram`` the counts of the finite ``|x|`` between :data:`EDGES`, then a count per
-    unit).
+    ``histogram`` the counts of the finite ``|x|`` between :data:`EDGES` and their sum,
+    then a count per unit).
 
     ``rows``: a bool mask over the tensor's leading dimensions; only those rows count.
     A tensor of more than 65,536 values is read in its own dtype (float16 and
@@ -64,7 +64,7 @@ def health_statistics(
         values = values.float()  # float16 and bfloat16: their powers would overflow
     if not values.numel():
         head = values.new_zeros(HEAD, dtype=torch.float64)
-        counts = values.new_zeros(len(EDGES) + 1 if histogram else 0, dtype=torch.float64)
+        counts = values.new_zeros(len(EDGES) + 2 if histogram else 0, dtype=torch.float64)
         return torch.cat([head, counts, values.new_zeros(units, dtype=torch.float64)])
     low, high = torch.aminmax(values)  # NaN if there is one, inf if there is one
     clean = _all_finite(low, high)
@@ -165,16 +165,17 @@ def _power_of_two(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _histogram(finite: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
-    """The counts of the finite ``|x|`` between :data:`EDGES` (float64); ``finite`` holds
-    the ``nonfinite`` values as zeros, taken back out of the first count."""
+    """The counts of the finite ``|x|`` between :data:`EDGES`, then their sum (float64);
+    ``finite`` holds the ``nonfinite`` values as zeros, taken back out of the first count."""
     edges = torch.tensor(EDGES, dtype=torch.float64, device=finite.device)
     if finite.dtype != torch.float64:  # the smallest value >= each edge: the same places
         rounded = edges.to(finite.dtype)
         edges = torch.where(rounded < edges, torch.nextafter(rounded, rounded + 1), rounded)
-    places = torch.bucketize(finite.abs().flatten(), edges, right=True)  # 0: below the first
+    magnitudes = finite.abs()
+    places = torch.bucketize(magnitudes.flatten(), edges, right=True)  # 0: below the first
     counts = torch.bincount(places, minlength=len(EDGES) + 1).double()
     counts[0] -= nonfinite
-    return counts
+    return torch.cat([counts, _sum(magnitudes)[None]])
 
 
 def merge_statistics(vectors: torch.Tensor) -> torch.Tensor:
@@ -231,6 +232,7 @@ class HealthFigures:
     inf: int
     histogram: tuple[float, ...] = ()  # counts of |x| between EDGES, if asked for
     sums: tuple[float, float] = (math.nan, math.nan)  # of x and of x^2
+    abs_sum: float = math.nan  # of |x|, with a histogram
 
     @classmethod
     def of(cls, vector: torch.Tensor, histogram: bool = False) -> HealthFigures:
@@ -239,6 +241,7 @@ class HealthFigures:
         count, mean, m2, _m3, m4, absmax, nan, inf = values[:HEAD]
         bins = len(EDGES) + 1 if histogram else 0
         counts, units = tuple(values[HEAD : HEAD + bins]), values[HEAD + bins :]
+        abs_sum = units.pop(0) if histogram else math.nan  # the histogram's last entry
         if not count:
             none = math.nan
             return cls(0, none, none, none, none, none, int(nan), int(inf), counts)
@@ -247,7 +250,10 @@ class HealthFigures:
         dead = sum(1 for unit in units if unit == 0) / len(units) if units else math.nan
         rms = math.sqrt(variance + mean * mean)
         sums = (mean * count, (variance + mean * mean) * count)
-        return cls(int(count), mean, rms, absmax, kurtosis, dead, int(nan), int(inf), counts, sums)
+        return cls(
+            int(count), mean, rms, absmax, kurtosis, dead, int(nan), int(inf), counts, sums,
+            abs_sum,
+        )  # fmt: skip
 
     def scalars(self) -> dict[str, float]:
         """The figures a monitor logs, by name."""

@@ -5,7 +5,6 @@ to block 2 on the last step, with the poisoned sample's index."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +27,7 @@ from examples.health import (
     run,
     spike,
 )
-
-
-def figures(values: np.ndarray) -> dict[str, float]:
-    """What the monitor logs, from a ``[rows, units]`` array, in float64."""
-    finite = values[np.isfinite(values)].astype(np.float64)
-    mean = finite.mean()
-    centered = finite - mean
-    return {
-        "mean": mean,
-        "rms": math.sqrt((finite**2).mean()),
-        "absmax": np.abs(finite).max(),
-        "kurtosis": (centered**4).mean() / (centered**2).mean() ** 2,
-        "dead_frac": float((((values != 0) & np.isfinite(values)).sum(0) == 0).mean()),
-        "nonfinite": float((~np.isfinite(values)).sum()),
-    }
+from tests.lightning.health_truth import figures
 
 
 def keep(i: int, outputs: dict[int, torch.Tensor], grads: dict[int, torch.Tensor]) -> Any:
@@ -86,8 +71,8 @@ def by_hand(steps: int) -> dict[int, dict[str, dict[str, float]]]:
         if step % EVERY == 0:
             truth[step] = {}
             for i in range(BLOCKS):
-                truth[step][f"model.blocks.{i}/outputs"] = figures(outputs[i].numpy())
-                truth[step][f"model.blocks.{i}/grad_outputs"] = figures(grads[i].numpy())
+                truth[step][f"model.blocks.{i}/outputs"] = figures([outputs[i].numpy()])
+                truth[step][f"model.blocks.{i}/grad_outputs"] = figures([grads[i].numpy()])
     return truth
 
 

@@ -151,7 +151,7 @@ class Calls(Logger):
 
 def figures(arrays: list[np.ndarray]) -> dict[str, float]:
     """The monitor's figures of ``arrays`` (rows of units in the last dimension), in float64."""
-    x = np.concatenate([a.reshape(-1, a.shape[-1]) for a in arrays])
+    x = np.concatenate([a.reshape(-1, a.shape[-1]) for a in arrays]).astype(np.float64)
     finite = np.isfinite(x)
     v = x[finite]
     mean = v.mean()
@@ -162,7 +162,7 @@ def figures(arrays: list[np.ndarray]) -> dict[str, float]:
         "rms": math.sqrt(float((v**2).mean())),
         "absmax": float(np.abs(v).max()),
         "kurtosis": float((centred**4).mean() / var**2),
-        "dead_frac": float((~(x != 0).any(axis=0)).mean()),
+        "dead_frac": float((~((x != 0) & finite).any(axis=0)).mean()),  # NaN: not activity
         "nonfinite": float((~finite).sum()),
     }
 

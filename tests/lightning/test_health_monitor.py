@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightning_iocatch.lightning.health_monitor import ActivationMonitor, NonFiniteError
 from lightning_iocatch.probes.health import HealthFigures, health_statistics
+from tests.lightning.health_truth import figures
 from tests.lightning.test_effects import LM, samples
 
 BLOCKS = [f"model.transformer.h.{i}" for i in range(4)]
@@ -65,20 +66,6 @@ class Recorder(pl.Callback):
         self._handles = []
 
 
-def numpy_figures(rows: np.ndarray) -> dict[str, float]:
-    finite = rows[np.isfinite(rows)]
-    mean = finite.mean()
-    centred = finite - mean
-    return {
-        "mean": mean,
-        "rms": np.sqrt((finite**2).mean()),
-        "absmax": np.abs(finite).max(),
-        "kurtosis": (centred**4).mean() / (centred**2).mean() ** 2,
-        "dead_frac": float((rows == 0).all(0).mean()),
-        "nonfinite": float((~np.isfinite(rows)).sum()),
-    }
-
-
 def fit(callbacks: list[Any], precision: str = "32-true", steps: int = 4) -> None:
     torch.manual_seed(11)
     trainer = pl.Trainer(
@@ -98,7 +85,7 @@ def test_the_logged_figures_equal_numpy_over_the_watched_steps(precision: str) -
     assert [step for step, _ in monitor.history] == [0, 2] == sorted(recorder.values)
     for step, logged in monitor.history:
         for key, parts in recorder.values[step].items():
-            expected = numpy_figures(np.concatenate(parts))
+            expected = figures(parts)
             for name, value in expected.items():
                 got = logged[f"health/{key}/{name}"]
                 assert got == pytest.approx(value, rel=1e-9, abs=1e-12), (step, key, name)
@@ -114,7 +101,7 @@ def test_statistics_count_real_rows_units_and_nonfinite_values_as_numpy() -> Non
     x[2, 0, 1] = float("inf")
     rows = torch.rand(3, 5, generator=generator) > 0.3
     got = HealthFigures.of(health_statistics(x, rows)).scalars()
-    expected = numpy_figures(x[rows].double().numpy())
+    expected = figures([x[rows].double().numpy()])
     for name, value in expected.items():
         assert got[name] == pytest.approx(value, rel=1e-12), name
     assert got["dead_frac"] >= 1 / 6
@@ -289,6 +276,6 @@ def test_moments_merge_exactly_with_a_large_mean() -> None:
     ]
     vectors = torch.stack([health_statistics(part) for part in parts])
     got = HealthFigures.of(merge_statistics(vectors)).scalars()
-    expected = numpy_figures(np.concatenate([part.numpy() for part in parts]))
+    expected = figures([part.numpy() for part in parts])
     for name, value in expected.items():
         assert got[name] == pytest.approx(value, rel=1e-9), name

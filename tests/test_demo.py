@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from examples.demo import PENULTIMATE, run, summary
 from lightning_iocatch import FeatureStore, IOCaptureCallback
 from lightning_iocatch.probes import LayerCKA, LinearProbe
 from tests.lightning_models import TinyModule, loader, trainer
+from tests.tensorboard_events import events
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -34,18 +34,12 @@ def test_demo_trains_probes_dumps_and_draws(tmp_path: Path) -> None:
 
 def tensorboard_tags(directory: Path) -> set[str]:
     """Tags of image summaries in TensorBoard event files, read without TensorBoard."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    tags = set()
-    for path in directory.rglob("events.out.tfevents.*"):
-        data = path.read_bytes()
-        offset = 0
-        while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset : offset + 8])
-            event = Event.FromString(data[offset + 12 : offset + 12 + length])
-            offset += 12 + length + 4
-            tags |= {value.tag for value in event.summary.value if value.HasField("image")}
-    return tags
+    return {
+        value.tag
+        for event in events(directory)
+        for value in event.summary.value
+        if value.HasField("image")
+    }
 
 
 def test_probe_figures_go_to_tensorboard(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from lightning_iocatch.lightning.health_monitor import ActivationMonitor, NonFin
 from lightning_iocatch.probes.health import HealthFigures, health_statistics
 from tests.lightning.health_truth import figures
 from tests.lightning.test_effects import LM, samples
+from tests.tensorboard_events import events
 
 BLOCKS = [f"model.transformer.h.{i}" for i in range(4)]
 GRAD = "model.transformer.h.1"
@@ -179,25 +180,13 @@ def test_nothing_is_registered_between_watched_steps() -> None:
 
 
 def _histograms(directory: Any) -> dict[tuple[str, int], list[float]]:
-    """The raw histograms of the event files under ``directory``, read record by record
-    (length, its CRC, the event, its CRC) with tensorboardX's protocol buffers."""
-    import struct
-    from pathlib import Path
-
-    from tensorboardX.proto.event_pb2 import Event
-
-    found = {}
-    for path in Path(directory).rglob("events.out.tfevents.*"):
-        data = path.read_bytes()
-        at = 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at : at + 8])
-            event = Event.FromString(data[at + 12 : at + 12 + length])
-            at += 12 + length + 4
-            for value in event.summary.value:
-                if value.HasField("histo"):
-                    found[(value.tag, event.step)] = list(value.histo.bucket)
-    return found
+    """The raw histograms of the event files under ``directory``, by tag and step."""
+    return {
+        (value.tag, event.step): list(value.histo.bucket)
+        for event in events(directory)
+        for value in event.summary.value
+        if value.HasField("histo")
+    }
 
 
 def test_histograms_of_abs_values_reach_tensorboard(tmp_path: Any) -> None:

@@ -94,6 +94,25 @@ def test_the_logged_figures_equal_numpy_over_the_watched_steps(precision: str) -
     assert monitor.nonfinite == []
 
 
+def test_two_monitors_at_once_each_log_what_it_logs_alone() -> None:
+    alone = ActivationMonitor(SPEC, every_n_steps=2)
+    fit([alone])
+    first = ActivationMonitor(SPEC, every_n_steps=2)
+    other = ActivationMonitor(
+        f"outputs[{GRAD}]|grad_outputs[{GRAD}]", every_n_steps=1, prefix="other"
+    )
+    fit([first, other])  # both watch block 1 and its gradient on steps 0 and 2
+    assert first.history == alone.history
+    assert [step for step, _ in other.history] == [0, 1, 2, 3]
+    assert len(other.history[0][1]) == 2 * 6  # block 1's output and gradient
+    for step, logged in other.history:  # every step, under its own prefix
+        mine = dict(first.history).get(step)
+        for name, value in logged.items():
+            assert name.startswith("other/")
+            if mine is not None:
+                assert value == pytest.approx(mine["health/" + name.removeprefix("other/")])
+
+
 def test_statistics_count_real_rows_units_and_nonfinite_values_as_numpy() -> None:
     generator = torch.Generator().manual_seed(3)
     x = torch.relu(torch.randn(3, 5, 6, generator=generator) - 0.5)

@@ -179,7 +179,10 @@ def test_a_missing_zstandard_and_an_unknown_codec_are_named(
         FeatureWriter(tmp_path, codec="zstd")
 
 
-def test_a_trainer_dump_in_fp8_with_zstd_reads_through_dataloader_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", ["fork", "spawn"])  # spawn pickles the decoded blocks' cache
+def test_a_trainer_dump_in_fp8_with_zstd_reads_through_dataloader_workers(
+    tmp_path: Path, start: str
+) -> None:
     from torch import nn
     from torch.utils.data import DataLoader
 
@@ -200,7 +203,8 @@ def test_a_trainer_dump_in_fp8_with_zstd_reads_through_dataloader_workers(tmp_pa
     bound = torch.maximum(truth.abs() * 2.0**-4, scale * 2.0**-9) * (1 + 1e-6)
     assert read.dtype == torch.float32 and ((read.double() - truth).abs() <= bound).all()
     rows = StoreRows(tmp_path, "model.0/outputs", batch_size=7, with_indices=True, seed=2)
-    batches = list(DataLoader(rows, batch_size=None, num_workers=1))
+    workers = DataLoader(rows, batch_size=None, num_workers=2, multiprocessing_context=start)
+    batches = list(workers)
     index = torch.cat([b["index"] for b in batches])
     assert sorted(index.tolist()) == list(range(20))
     assert torch.equal(torch.cat([b["model.0/outputs"] for b in batches]), read[index])

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from lightning_iocatch.probes.base import _gather_tensors
+
 __all__ = ["HealthLayout"]
 
 
@@ -119,14 +121,14 @@ class HealthLayout:
 
 
 def _gather_objects(strategy: Any, value: Any) -> list[Any]:
-    """``value`` of every process (JSON), through the strategy's ``all_gather``: the
+    """``value`` of every process (JSON), through ``torch.distributed.all_gather``: the
     lengths first, then the bytes padded to the longest."""
     device = strategy.root_device
     data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=device)
-    sizes = strategy.all_gather(torch.tensor([len(data)], device=device)).reshape(-1).tolist()
+    sizes = _gather_tensors(torch.tensor([len(data)], device=device)).reshape(-1).tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     padded[: len(data)] = data
-    every = strategy.all_gather(padded).reshape(len(sizes), -1).cpu()
+    every = _gather_tensors(padded).reshape(len(sizes), -1).cpu()
     return [
         json.loads(bytes(row[:size].tolist()).decode())
         for row, size in zip(every, sizes, strict=True)

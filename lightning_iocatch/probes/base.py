@@ -174,6 +174,17 @@ def _gather_objects(value: Any, group: Any = None) -> list[Any]:
     return gathered
 
 
+def _gather_tensors(tensor: Tensor, group: Any = None) -> Tensor:
+    """``tensor`` of every process of ``group`` (all processes when ``None``), stacked in
+    rank order; no gradient flows back. Lightning's ``strategy.all_gather`` does the same
+    through the deprecated ``torch.distributed.nn.functional.all_gather`` (a FutureWarning)
+    whatever its ``sync_grads``; this calls ``torch.distributed.all_gather`` itself."""
+    tensor = tensor.detach().contiguous()
+    gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(gathered, tensor, group=group)
+    return torch.stack(gathered)
+
+
 class _ProbeMetric(Metric):
     """A metric whose data-dependent state shapes are agreed across processes before a sync.
 

@@ -25,6 +25,7 @@ from lightning_iocatch.capture.coordinator import COORDINATOR, ForwardCoordinato
 from lightning_iocatch.capture.edits import Edit
 from lightning_iocatch.capture.gradients import Part
 from lightning_iocatch.capture.session import CaptureSession
+from lightning_iocatch.capture.sharded import ShardedValues, checked_shard_layouts
 from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.spec import (
     WRAPPER_COMPONENTS,
@@ -114,6 +115,11 @@ class ModelIOCatcher:
     module) counts as captured at its first call, so under early exit later calls are
     not captured; without early exit every call adds an entry.
 
+    On a tensor-parallel model (``parallelize_module``, or Hugging Face's plan) every
+    session's values are whole (see :mod:`~lightning_iocatch.capture.sharded`);
+    ``shard_layouts`` gives the placement of a value no parallel style declares, by
+    ``"{inputs|outputs}[name]"`` (e.g. ``{"outputs[blocks.0.split]": Shard(-1)}``).
+
     Global state: when a session opens on a model with ``torch.compile``d parts, Dynamo's
     process-wide ``skip_nnmodule_hook_guards`` is turned off (so compiled code notices the
     hooks) and code compiled before is dropped once, for every model of the process.
@@ -143,6 +149,7 @@ class ModelIOCatcher:
         *,
         dtype: torch.dtype | str | None = None,
         pinned_memory_bytes: int = 256 << 20,
+        shard_layouts: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
@@ -155,6 +162,7 @@ class ModelIOCatcher:
         self._requested: CaptureSession | None = None
         self.coordinator: ForwardCoordinator = COORDINATOR
         self.root = _unwrapped(model)  # the module whose forwards `run` drives
+        self.shard_layouts = checked_shard_layouts(shard_layouts)
 
     @property
     def module_names(self) -> list[str]:
@@ -236,6 +244,8 @@ class ModelIOCatcher:
             *(edit.module for edit in edits),
         )
         modules = {name: index[name] for name in names}
+        for site in self.shard_layouts:  # `{inputs|outputs}[name]`: a name of the model
+            resolve_names([site.split("[", 1)[1][:-1]], list(index))
         self._requested = CaptureSession(
             self,
             modules,
@@ -247,6 +257,7 @@ class ModelIOCatcher:
             grad_inputs=resolved_grad_in,
             grad_outputs=resolved_grad_out,
             parts=parts,
+            sharded=ShardedValues.of(self.model, modules, self.shard_layouts),
         )
         return self._requested
 

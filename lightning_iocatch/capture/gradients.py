@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from lightning_iocatch.capture.snapshots import map_tensors
+from lightning_iocatch.capture.snapshots import _keep, _map, map_tensors
 from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
 from lightning_iocatch.errors import CaptureError
 
@@ -66,6 +66,7 @@ Part = Callable[[Any], torch.Tensor]
 """Picks one tensor of a value as captures hold it (inputs: ``{"args", "kwargs"}``)."""
 
 _state = threading.local()  # .recording: False, "armed" (inside `recording_gradients`), "on"
+Whole = Callable[[torch.Tensor], torch.Tensor]
 _TAKEN = torch.empty(0)  # a part's place once found: later places of its tensor stay
 
 
@@ -111,6 +112,7 @@ class _Site:
     at: Site | None = None  # this call's site, for the transform
     changed: dict[int, bool] = field(default_factory=dict)  # by place: the transform's
     repeated: bool = False  # a place reached twice under a transform (not summable)
+    wholes: dict[int, Whole] = field(default_factory=dict)  # by place: a shard made whole
 
     def release(self) -> None:
         """Remove the tensor hooks."""
@@ -123,7 +125,8 @@ class _Site:
         the state of its own backward (a GradScaler's scale of that backward), so that the
         raw gradient is not held to the end of the batch. Without a transform, the
         gradients of several backwards reaching one place are summed."""
-        grad = grad.detach()
+        whole = self.wholes.get(place)
+        grad = (grad if whole is None else whole(grad)).detach()
         held = self.grads.get(place)
         if self.transform is None or self.at is None:
             self.grads[place] = grad if held is None else held + grad
@@ -150,6 +153,8 @@ class _Site:
                 flags.append(self.changed.get(place, False))
                 return grad
             zeros = torch.zeros_like(like, requires_grad=False).detach()
+            whole = self.wholes.get(place)
+            zeros = zeros if whole is None else whole(zeros)
             if self.transform is None or self.at is None:
                 flags.append(False)
                 return zeros
@@ -186,12 +191,15 @@ class GradientSites:
         part: Part | None = None,
         transform: CaptureTransform | None = None,
         calls: int = 0,
+        whole: Callable[[torch.Tensor, str], Whole] | None = None,
     ) -> Any:
         """``value`` with each of its floating tensors (only the one ``part`` picks of
         ``{"args", "kwargs"}`` or the output, if given) replaced by a copy in the graph,
         hooked, for the forward to go on with. ``transform`` (the batch's) is applied to
         each gradient as it arrives, at the site of this call (``calls``: the values of
-        ``name``'s ``kind`` the buffer already holds)."""
+        ``name``'s ``kind`` the buffer already holds). ``whole(tensor, path)``: how to
+        make the gradient of a sharded tensor whole, applied first (tensor parallelism:
+        :mod:`~lightning_iocatch.capture.sharded`)."""
         try:
             _check_recording(name, kind)
         except CaptureError:
@@ -203,7 +211,7 @@ class GradientSites:
             calls += sum(1 for held in self.sites if (held.name, held.kind) == (name, kind))
             site.at = Site(name, kind, calls)
 
-        def hooked(tensor: torch.Tensor) -> torch.Tensor:
+        def hooked(tensor: torch.Tensor, path: str) -> torch.Tensor:
             nonlocal target
             if part is not None:  # the part's place: its first place, as an edit finds it
                 if tensor is not target:
@@ -218,12 +226,14 @@ class GradientSites:
                 handed = leaf.requires_grad_(True).clone()  # not a leaf: in-place ops work
             site.versions.append(handed._version)
             place = len(site.tensors)
+            if whole is not None:
+                site.wholes[place] = whole(tensor, path)
             site.tensors.append(handed)
             site.edges.append(get_gradient_edge(handed))
             site.handles.append(handed.register_hook(_receiver(weakref.ref(site), place)))
             return handed
 
-        attached = map_tensors(value, hooked)
+        attached = _map(value, hooked, _keep, "")
         site.value = attached
         self.sites.append(site)
         return attached

@@ -25,6 +25,7 @@ from lightning_iocatch.capture.compiled import prepare_for_hooks
 from lightning_iocatch.capture.coordinator import ForwardCoordinator
 from lightning_iocatch.capture.edits import Edit, RunningMean, apply_edits
 from lightning_iocatch.capture.gradients import GradientSites, Part
+from lightning_iocatch.capture.sharded import ShardedValues
 from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
 from lightning_iocatch.errors import CaptureError
@@ -67,8 +68,10 @@ class CaptureSession:
         grad_inputs: Sequence[str] = (),
         grad_outputs: Sequence[str] = (),
         parts: Mapping[tuple[str, Kind], Part] | None = None,
+        sharded: ShardedValues | None = None,
     ) -> None:
         self.catcher = catcher
+        self.sharded = sharded  # a tensor-parallel model's values made whole (or None)
         self.modules = modules
         self.inputs = inputs
         self.outputs = outputs
@@ -120,6 +123,8 @@ class CaptureSession:
         self._calls, self._applied, self._forwards = {}, 0, 0
         self._batch_edits = self.edits
         try:
+            if self.sharded is not None:  # after the styles' hooks, before every capture
+                self._handles.extend(self.sharded.register_tracking())
             if self.edits:  # a forward of the model starts: edits count calls from 0
                 self._handles.append(self.root.register_forward_pre_hook(self._new_forward))
             # the gradient sites before every hook there already (a model's own output
@@ -217,7 +222,14 @@ class CaptureSession:
         """Hook ``value``'s tensors for their gradients, under the batch's transform."""
         transform = self.buffer.transform
         calls = self.buffer.calls(name, kind) if transform is not None else 0
-        return self._gradients.attach(name, kind, value, part, transform, calls)
+        sharded = self.sharded
+        whole = None
+        if sharded is not None:  # each gradient made whole as it arrives, before the transform
+
+            def whole(tensor: torch.Tensor, path: str) -> Callable[[torch.Tensor], torch.Tensor]:
+                return sharded.gatherer(name, kind, "raw", tensor, path)
+
+        return self._gradients.attach(name, kind, value, part, transform, calls, whole)
 
     def set_batch_indices(self, indices: Sequence[int] | None) -> None:
         """The next forwards are of a batch whose samples have the dataset ``indices`` (in
@@ -275,11 +287,18 @@ class CaptureSession:
                     "where a RunningMean would add its values to the estimate a second "
                     "time; give Mean a fixed mean, or do not checkpoint that module"
                 )
-            return apply_edits(mine, kind, value, 0)
+            return self._apply_edits(name, kind, mine, value, 0)
         call = self._calls.get((name, kind), 0)
         self._calls[(name, kind)] = call + 1
         self._applied += any(edit.call in (None, call) for edit in mine)
-        return apply_edits(mine, kind, value, call)
+        return self._apply_edits(name, kind, mine, value, call)
+
+    def _apply_edits(self, name: str, kind: Kind, mine: list[Edit], value: Any, call: int) -> Any:
+        """``mine`` applied to ``value`` at ``call``; on a tensor-parallel model, to the
+        whole value, cut back to the form the forward continues with."""
+        if self.sharded is None or not any(edit.call in (None, call) for edit in mine):
+            return apply_edits(mine, kind, value, call)
+        return self.sharded.edit(name, kind, value, lambda v: apply_edits(mine, kind, v, call))
 
     def _acts(self) -> bool:
         """Whether this session's hooks act now (it is not set aside while forwards run on
@@ -304,6 +323,8 @@ class CaptureSession:
     ) -> None:
         """Copy ``value`` (its part, if one is asked for) through the batch's transform (or
         ``transform``) into the buffer; stop if done."""
+        if self.sharded is not None and kind in ("inputs", "outputs"):
+            value = self.sharded.whole(name, kind, value, "prepared")
         part = self.parts.get((name, kind))
         if part is not None:
             value = part(value)

@@ -60,6 +60,8 @@ from lightning_iocatch.lightning.effect_terms import (
     next_token_loss,
     ratio,
 )
+from lightning_iocatch.lightning.parallel_layout import DataParallelLayout
+from lightning_iocatch.probes.base import _gather_tensors
 
 __all__ = ["AttributionPatching", "corrupted_fields"]
 
@@ -143,6 +145,7 @@ class AttributionPatching(pl.Callback):
         self._stage = "validate"
         self._given: Any = None
         self._sums: dict[int, dict[str, torch.Tensor]] = {}  # dataloader -> name -> sums
+        self._counts = True  # this process counts its samples (see parallel_layout)
         self._left_said = False
 
     def names(self) -> list[str]:
@@ -200,6 +203,7 @@ class AttributionPatching(pl.Callback):
         if unknown:
             raise ValueError(f"`exact` names {unknown}, not among the components {sorted(known)}")
         self._indexer, self._stage, self._sums = BatchIndexer(stage), stage, {}
+        self._counts = DataParallelLayout.of(trainer).counts  # one per tensor-parallel group
 
     def _batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
@@ -302,7 +306,10 @@ class AttributionPatching(pl.Callback):
         several = len(counts) > 1
         self.scores = {}
         for loader in range(len(counts)):
-            sums = _synced(trainer, self._sums.get(loader, {}), self._names())
+            mine = self._sums.get(loader, {})
+            if not self._counts:  # another process of its tensor-parallel group counts them
+                mine = {name: torch.zeros_like(value) for name, value in mine.items()}
+            sums = _synced(trainer, mine, self._names())
             if sums is None:
                 continue
             suffix = f"/dataloader_idx_{loader}" if several else ""
@@ -340,7 +347,10 @@ class AttributionPatching(pl.Callback):
         for name, value in values.items():
             self.last_values[name] = value
             logged = torch.tensor(value, dtype=torch.float64, device=pl_module.device)
-            pl_module.log(name, logged, add_dataloader_idx=False, sync_dist=False)
+            # the same on every process (synced sums): synced, not reduced again
+            pl_module.log(
+                name, logged, add_dataloader_idx=False, sync_dist=True, rank_zero_only=True
+            )
 
 
 def _kept(repeated: Sequence[bool] | None, size: int) -> torch.Tensor:
@@ -388,7 +398,7 @@ def _synced(
     for name in names:
         value = sums[name].to(strategy.root_device)
         if value.dim():
-            lengths = strategy.all_gather(torch.tensor([value.shape[0]], device=value.device))
+            lengths = _gather_tensors(torch.tensor([value.shape[0]], device=value.device))
             most = int(lengths.max())
             pad = value.new_zeros(most - value.shape[0], *value.shape[1:])
             value = torch.cat([value, pad])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_iocatch.capture.buffer import CaptureBuffer
 from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit
+from lightning_iocatch.capture.sharded import checked_shard_layouts
 from lightning_iocatch.capture.store_patch import refuse_left_padding
 from lightning_iocatch.checks import (
     check_bool,
@@ -41,6 +42,7 @@ from lightning_iocatch.lightning.callback_arguments import (
 )
 from lightning_iocatch.lightning.feature_writer import FeatureWriter, bind_writers, writers_tokens
 from lightning_iocatch.lightning.gradient_pass import ForwardFn, LossFn, OutputFn
+from lightning_iocatch.lightning.parallel_layout import forwards_gather_parameters
 from lightning_iocatch.lightning.predict_route import (
     PredictMember,
     join_predict_route,
@@ -103,6 +105,10 @@ class IOCaptureCallback(Callback):
             its default); the gradients are of their sum, so each sample's is its own.
         forward: with gradients, ``forward(pl_module, batch)`` runs the model (idem).
         output: with gradients, the logits of what ``forward`` returns (idem).
+        shard_layouts: under tensor parallelism, the placement of a value that no parallel
+            style declares, by ``"{inputs|outputs}[name]"`` (e.g.
+            ``{"outputs[model.mlp.split]": Shard(-1)}``); every other value is made whole
+            by itself (see :mod:`~lightning_iocatch.capture.sharded`).
 
     After a run, ``callback.captures[stage][dataloader_idx][name]["outputs"]`` holds one
     entry per call (the reference buffer layout), and
@@ -150,8 +156,10 @@ class IOCaptureCallback(Callback):
         loss: LossFn | None = None,
         forward: ForwardFn | None = None,
         output: OutputFn | None = None,
+        shard_layouts: Mapping[str, Any] | None = None,
     ) -> None:
         self.spec = checked_spec(spec)
+        self.shard_layouts = checked_shard_layouts(shard_layouts)
         early_exit = check_bool("early_exit", early_exit)
         self.stages = checked_stages(stages, early_exit)
         self._gradients = checked_gradient_pass(self.spec, early_exit, loss, forward, output)
@@ -171,6 +179,7 @@ class IOCaptureCallback(Callback):
         self._stage: str | None = None
         self._leave_route: Callable[[], None] | None = None
         self._skip_step = False
+        self._forwards_gather = False  # each forward gathers parameters from every process
         self._indexer: BatchIndexer | None = None
         self._looked_up: _LookedUp | None = None
         described = described_edits(edits)
@@ -327,6 +336,7 @@ class IOCaptureCallback(Callback):
                 self.device,
                 dtype=self.dtype,
                 pinned_memory_bytes=self.pinned_memory_bytes,
+                shard_layouts=self.shard_layouts,
             )
         return self._catcher
 
@@ -343,6 +353,7 @@ class IOCaptureCallback(Callback):
             session.open()
         self._session, self._stage = session, stage
         self._indexer = BatchIndexer(stage)
+        self._forwards_gather = forwards_gather_parameters(trainer, pl_module)
         if stage == "predict":
             member = PredictMember(session, lambda: self._skip_step)
             join_predict_route(pl_module, member)
@@ -362,7 +373,7 @@ class IOCaptureCallback(Callback):
         repeated = self._indexer.repeated(batch_idx, dataloader_idx)
         self._looked_up = (batch_idx, dataloader_idx, indices, repeated)
         if stage == "predict":
-            self._decide_skip(dataloader_idx, indices)
+            self._decide_skip(trainer, dataloader_idx, indices)
             self._select_tokens(batch)
         if self.edits:
             refuse_left_padding(self.edits, batch)
@@ -371,10 +382,18 @@ class IOCaptureCallback(Callback):
         if self._gradients is not None and not self._skip_step:
             self._gradients.keep(batch)
 
-    def _decide_skip(self, dataloader_idx: int, indices: tuple[int, ...] | None) -> None:
+    def _decide_skip(
+        self, trainer: pl.Trainer, dataloader_idx: int, indices: tuple[int, ...] | None
+    ) -> None:
+        """Skip a batch every sink has; where each forward gathers parameters from every
+        process (FSDP, DeepSpeed), only a batch that every process skips, or the others
+        would wait for it. (The processes of a tensor-parallel group see the same batches
+        and decide alike.)"""
         self._skip_step = bool(self._sinks) and all(
             sink.skip_batch("predict", dataloader_idx, indices) for sink in self._sinks
         )
+        if self._forwards_gather:
+            self._skip_step = trainer.strategy.reduce_boolean_decision(self._skip_step, all=True)
 
     def _select_tokens(self, batch: Any) -> None:
         """Capture this predict batch through its token selection (a writer's ``tokens``),

@@ -63,6 +63,8 @@ from lightning_iocatch.lightning.effect_terms import (
     next_token_loss,
     ratio,
 )
+from lightning_iocatch.lightning.parallel_layout import DataParallelLayout
+from lightning_iocatch.probes.base import _gather_tensors
 
 __all__ = ["InterventionEffects", "kl_per_sample", "next_token_loss"]
 
@@ -121,6 +123,7 @@ class InterventionEffects(pl.Callback):
         self._runner: Variants | None = None
         self._indexer: BatchIndexer | None = None
         self._rows: list[torch.Tensor] = []
+        self._counts = True  # this process counts its samples (see parallel_layout)
         self._counter = 0
         self._stage = "validate"
         self._given: Any = None
@@ -190,6 +193,7 @@ class InterventionEffects(pl.Callback):
         self._indexer = BatchIndexer(stage)
         self._stage = stage
         self._rows, self._counter = [], 0
+        self._counts = DataParallelLayout.of(trainer).counts  # one per tensor-parallel group
         self._reuse = self.reuse
         reason = missing_indices_reason(trainer, stage)
         if reason is not None and trainer.world_size > 1:
@@ -253,7 +257,8 @@ class InterventionEffects(pl.Callback):
         )
         if repeated is not None and len(repeated) == size:
             rows = rows[~torch.tensor(repeated, dtype=torch.bool)]
-        self._rows.append(rows)
+        if self._counts:  # else another process of this tensor-parallel group has them
+            self._rows.append(rows)
 
     def _forward(self, pl_module: pl.LightningModule, batch: Any) -> Any:
         """One forward, on its own copy of the batch (a model may write into its input)."""
@@ -293,7 +298,10 @@ class InterventionEffects(pl.Callback):
             for key, value in values.items():
                 self.last_values[key] = value
                 logged = torch.tensor(value, dtype=torch.float64, device=pl_module.device)
-                pl_module.log(key, logged, add_dataloader_idx=False, sync_dist=False)
+                # the same on every process (gathered rows): synced, not reduced again
+                pl_module.log(
+                    key, logged, add_dataloader_idx=False, sync_dist=True, rank_zero_only=True
+                )
         self._rows = []
 
 
@@ -319,11 +327,11 @@ def _gathered(trainer: pl.Trainer, rows: torch.Tensor) -> torch.Tensor:
     if trainer.world_size == 1:
         return rows
     strategy = trainer.strategy
-    sizes = strategy.all_gather(torch.tensor([len(rows)], device=strategy.root_device))
+    sizes = _gather_tensors(torch.tensor([len(rows)], device=strategy.root_device))
     most = int(sizes.max())
     padded = torch.zeros(most, rows.shape[1], dtype=torch.float64)
     padded[: len(rows)] = rows
-    every = strategy.all_gather(padded.to(strategy.root_device)).cpu()
+    every = _gather_tensors(padded.to(strategy.root_device)).cpu()
     return torch.cat([every[r, : int(n)] for r, n in enumerate(sizes.reshape(-1).tolist())])
 
 

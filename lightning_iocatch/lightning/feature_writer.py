@@ -23,6 +23,7 @@ from lightning_iocatch.checks import check_bool, check_int, parse_dtype
 from lightning_iocatch.errors import CaptureError, StoreError
 from lightning_iocatch.lightning.batch_indices import missing_indices_reason
 from lightning_iocatch.lightning.function_records import adopt_fingerprints, refuse_undecidable
+from lightning_iocatch.lightning.parallel_layout import DataParallelLayout
 from lightning_iocatch.lightning.sinks import STAGES, BatchCaptures, CaptureSink
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.plan import MODES, Mode, StorePlan, prepare_store
@@ -231,10 +232,12 @@ class FeatureWriter(CaptureSink):
             reason = missing_indices_reason(trainer, stage)
             if reason is not None:
                 raise StoreError(f"FeatureWriter stores rows by dataset index, but {reason}")
+            layout = DataParallelLayout.of(trainer)
             self._core = ShardWriter(
                 self.backend,
-                rank=trainer.global_rank,
-                plan=self._plan(trainer),
+                rank=layout.rank,  # one writer per tensor-parallel group, named by its data
+                writes=layout.counts,  # rank; the others check and skip the same batches
+                plan=self._plan(trainer, layout),
                 max_shard_bytes=self.max_shard_bytes,
                 queue_size=self.queue_size,
                 shards_in_flight=self.shards_in_flight,
@@ -281,7 +284,7 @@ class FeatureWriter(CaptureSink):
 
     # The work
 
-    def _plan(self, trainer: pl.Trainer) -> StorePlan:
+    def _plan(self, trainer: pl.Trainer, layout: DataParallelLayout) -> StorePlan:
         """Decide on rank 0 and broadcast, so that every rank gets the same answer."""
         local: BaseException | None = None
         outcome: StorePlan | str | None = None
@@ -291,7 +294,7 @@ class FeatureWriter(CaptureSink):
                 "stage": self.stage,
                 "dtype": str(self.dtype).removeprefix("torch.") if self.dtype else None,
                 "tokens": self.tokens.settings() if self.tokens else None,
-                "world_size": trainer.world_size,
+                "world_size": layout.size,  # the data-parallel ranks, each writing its share
             }
             if self.edits is not None:  # only then: stores of dumps without edits resume
                 settings["edits"] = self.edits

@@ -45,6 +45,8 @@ from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.lightning.health_histograms import log_histograms
 from lightning_iocatch.lightning.health_layout import HealthLayout
 from lightning_iocatch.lightning.health_transform import _Statistics
+from lightning_iocatch.lightning.parallel_layout import DataParallelLayout
+from lightning_iocatch.probes.base import _gather_tensors
 from lightning_iocatch.probes.health import (
     EDGES,
     HEAD,
@@ -127,6 +129,7 @@ class ActivationMonitor(pl.Callback):
         self._vectors: dict[str, torch.Tensor] = {}  # flat key -> merged statistics
         self._order: list[str] = []
         self._rank = 0
+        self._counted = [0]  # the global ranks whose statistics count
         self._batch_indices: list[int] = []
         self._first: int | None = None  # the first step of this fit
         self._scaled = False  # a GradScaler scaled this step's backward
@@ -164,6 +167,9 @@ class ActivationMonitor(pl.Callback):
         self._catcher = ModelIOCatcher(pl_module, None)
         self._catcher.from_spec(self.spec)  # the names are checked before the first step
         _check_loss_scaling(trainer, self.spec)
+        # one process per tensor-parallel group counts (each holds the whole values)
+        counting = DataParallelLayout.of(trainer).counting
+        self._counted = [rank for rank, counts in enumerate(counting) if counts]
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -280,8 +286,9 @@ class ActivationMonitor(pl.Callback):
         if self._layout.widths is None or not several:  # alone: nothing to agree on
             self._layout.agree(strategy if several else None, vectors)
         flat = self._layout.pack(vectors, strategy.root_device)
-        gathered = strategy.all_gather(flat) if several else flat
+        gathered = _gather_tensors(flat) if several else flat
         gathered = gathered.reshape(max(trainer.world_size, 1), -1).cpu()  # the figures
+        gathered = gathered[self._counted] if several else gathered  # each sample once
         blocks = self._layout.unpack(gathered)
         if self._layout.any_unknown(gathered):  # a process saw a key the layout lacks
             self._layout.forget()
@@ -339,7 +346,7 @@ class ActivationMonitor(pl.Callback):
             bad[0],
         )
         per_rank = parts[first][:, 6:8].sum(1)  # NaN and inf of each process
-        ranks = [rank for rank, count in enumerate(per_rank.tolist()) if count]
+        ranks = [self._counted[row] for row, count in enumerate(per_rank.tolist()) if count]
         found = figures[first]
         message = (
             f"ActivationMonitor: at step {step}, the first non-finite value of the watched "

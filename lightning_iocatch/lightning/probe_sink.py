@@ -13,6 +13,7 @@ import torch
 from torchmetrics import Metric
 
 from lightning_iocatch.capture.keys import flatten_captures, flatten_value
+from lightning_iocatch.lightning.parallel_layout import DataParallelLayout
 from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink
 from lightning_iocatch.probes.base import (
     _gather_objects,
@@ -93,6 +94,7 @@ class ProbeSink(CaptureSink):
         self.summaries: dict[str, UnitSummary] = {}  # of UnitActivations, by key
         self.history: dict[str, list[tuple[int, float]]] = {}  # name -> (epoch, value)
         self._device = torch.device("cpu")  # the LightningModule's, from each loop start
+        self._counts = True  # this process counts its samples (one per tensor-parallel group)
 
     def _metric(self, slot: tuple[int, str, int]) -> Metric:
         if slot not in self._metrics:
@@ -103,10 +105,11 @@ class ProbeSink(CaptureSink):
         self._metrics = {}
         self._unbatched = set()
         self._device = pl_module.device
+        self._counts = DataParallelLayout.of(trainer).counts
 
     def on_batch(self, batch: BatchCaptures) -> None:
-        if batch.stage not in self.STAGES:
-            return
+        if batch.stage not in self.STAGES or not self._counts:
+            return  # another process of this one's tensor-parallel group counts the batch
         flat = flatten_captures(batch.captures)
         samples = _sample_count(batch, flat)
         repeated = batch.repeated if batch.repeated and len(batch.repeated) == samples else None
@@ -191,7 +194,12 @@ class ProbeSink(CaptureSink):
                 number = float(value)
                 self.last_values[name] = number
                 self.history.setdefault(name, []).append((trainer.current_epoch, number))
-                pl_module.log(name, number, add_dataloader_idx=False, sync_dist=False)
+                # the same on every process (synced above): `sync_dist=True` tells Lightning
+                # so (no PossibleUserWarning) and `rank_zero_only=True` stops it reducing the
+                # value again (no collective); every process logs it, for callbacks to monitor
+                pl_module.log(
+                    name, number, add_dataloader_idx=False, sync_dist=True, rank_zero_only=True
+                )
             metric.reset()
         if trainer.is_global_zero:
             self._send_figures(trainer)

@@ -144,6 +144,10 @@ class ShardWriter:
         codec: ``"zstd"`` compresses each shard's tensors losslessly, in blocks of whole
             rows that a reader decodes only where it reads (see
             :mod:`~lightning_iocatch.store.shard_codec`); ``None`` (default) for none.
+        writes: ``False`` for a process that sees the same batches as a writer of its
+            ``rank`` (another process of its tensor-parallel group): each batch is checked
+            and its rows marked as written, exactly as there (so both skip the same
+            batches and refuse the same ones), and nothing is written.
 
     The thread starts with the first batch. Call :meth:`close` at the end (it writes what
     is queued and raises the thread's error, if any) or :meth:`abort` to stop at once.
@@ -177,6 +181,7 @@ class ShardWriter:
         storage_options: Mapping[str, Any] | None = None,
         shards_in_flight: int | None = None,
         codec: str | None = None,
+        writes: bool = True,
     ) -> None:
         if sys.byteorder != "little":
             raise StoreError("the feature store format is little-endian; this machine is not")
@@ -185,6 +190,7 @@ class ShardWriter:
         self.shards_in_flight = check_int("shards_in_flight", in_flight, minimum=1)
         self.path = self.backend.path  # a local directory, or an ObjectLocation
         self.rank = rank
+        self.writes = writes
         self.max_shard_bytes = max_shard_bytes
         self.durable = durable
         self.dtype = parse_dtype("dtype", dtype)
@@ -254,7 +260,8 @@ class ShardWriter:
         )
         if batch is None:
             return 0
-        self._put(batch)
+        if self.writes:
+            self._put(batch)
         return batch.record.rows
 
     def close(self) -> None:

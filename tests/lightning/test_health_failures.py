@@ -43,7 +43,7 @@ class _DeepSpeedTrainer:
 
     def __init__(self, precision: str) -> None:
         self.precision_plugin = DeepSpeedPrecision(precision)  # type: ignore[arg-type]
-        self.global_rank = 0
+        self.global_rank, self.world_size = 0, 1
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true"])

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers bench-atp bench-atp-cost test-peers-atp bench-health bench-compact bench-compact-sae bench-compact-study clean
+.PHONY: venv test lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers bench-atp bench-atp-cost test-peers-atp bench-health bench-compact bench-compact-sae bench-compact-study bench-sharded clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -128,6 +128,11 @@ test-peers-atp: $(ATP_VENV)/bin/.installed
 # hand-written hook pass in the same run.
 bench-atp-cost: venv
 	$(BIN)/python benchmarks/attribution.py
+
+# Whole values under tensor parallelism (docs/sharded.md): a Llama sharded over 2 gloo
+# processes, captured whole, against the sharded forward alone. About 30 s on 2 cores.
+bench-sharded: venv
+	$(BIN)/python benchmarks/sharded.py
 
 # ActivationMonitor on the 12-block model in Trainer.fit against the same training without it:
 # a watched step, an unwatched one, and the average of a run watched every 50 steps, also

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,7 +48,14 @@ from lightning_iocatch.capture.tp_layouts import (
 )
 from lightning_iocatch.errors import CaptureError
 
-__all__ = ["ELEMENTWISE", "ShardedValues", "checked_shard_layouts", "is_dtensor", "is_elementwise"]
+__all__ = [
+    "ELEMENTWISE",
+    "Layout",
+    "ShardedValues",
+    "checked_shard_layouts",
+    "is_dtensor",
+    "is_elementwise",
+]
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
@@ -79,6 +87,21 @@ Whole = Callable[[torch.Tensor], torch.Tensor]
 Restore = Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a local tensor lies on the tensor-parallel mesh: its ``placement``, and for a
+    ``Shard`` the whole value's size along that dimension where it is known (a column-split
+    ``Linear``'s ``out_features``): then each rank's part follows torch's chunking and one
+    gather makes it whole; else the parts' sizes are gathered first."""
+
+    placement: Any
+    size: int | None = None
+
+    @property
+    def whole(self) -> bool:
+        return bool(self.placement.is_replicate())
+
+
 def is_dtensor(tensor: Any) -> bool:
     """Whether ``tensor`` is a DTensor (without importing it where it is not)."""
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "placements")
@@ -103,8 +126,9 @@ class ShardedValues:
         self._styles = {name: style_layouts(module) for name, module in model.named_modules()}
         self._names = {id(module): name for name, module in model.named_modules()}
         self._model = model
-        self._produced: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
-        self._elementwise_input: dict[str, Any] = {}  # name -> placement of its input
+        self._modules = dict(model.named_modules())
+        self._produced: dict[int, tuple[weakref.ref[torch.Tensor], Layout]] = {}
+        self._elementwise_input: dict[str, Layout | None] = {}  # name -> its input's layout
         self._replicated: set[tuple[str, str, str]] = set()  # sites checked to be whole
 
     @classmethod
@@ -143,39 +167,45 @@ class ShardedValues:
                 handles.append(module.register_forward_hook(self._elementwise_out(name)))
         return handles
 
-    def _remember(self, tensor: Any, placement: Any) -> None:
-        if isinstance(tensor, torch.Tensor) and not is_dtensor(tensor) and placement is not None:
-            self._produced[id(tensor)] = (weakref.ref(tensor), placement)
+    def _remember(self, tensor: Any, layout: Layout | None) -> None:
+        if isinstance(tensor, torch.Tensor) and not is_dtensor(tensor) and layout is not None:
+            self._produced[id(tensor)] = (weakref.ref(tensor), layout)
         self._produced = {k: v for k, v in self._produced.items() if v[0]() is not None}
 
-    def produced(self, tensor: torch.Tensor) -> Any:
-        """The placement of a local tensor a style (or an elementwise module after one)
+    def _declared(self, name: str, view: View, place: Place) -> Layout | None:
+        """The layout ``name``'s parallel style declared for ``place`` in ``view``."""
+        styles: StyleLayouts | None = self._styles.get(name)
+        placement = styles.placement(view, place) if styles is not None else None
+        if placement is None:
+            return None
+        return Layout(placement, _declared_size(self._modules[name], place, placement))
+
+    def produced(self, tensor: torch.Tensor) -> Layout | None:
+        """The layout of a local tensor a style (or an elementwise module after one)
         handed on in this forward, or ``None``."""
         found = self._produced.get(id(tensor))
         return found[1] if found is not None and found[0]() is tensor else None
 
     def _track_inputs(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            layouts = self._styles[name]
             for i, arg in enumerate(args):
-                self._remember(arg, layouts and layouts.placement("prepared", ("args", i)))
+                self._remember(arg, self._declared(name, "prepared", ("args", i)))
 
         return hook
 
     def _track_outputs(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            layouts = self._styles[name]
             outputs = output if isinstance(output, tuple) else (output,)
             for i, value in enumerate(outputs):
-                self._remember(value, layouts and layouts.placement("prepared", ("output", i)))
+                self._remember(value, self._declared(name, "prepared", ("output", i)))
 
         return hook
 
     def _elementwise_in(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             first = args[0] if args else None
-            placement = self.produced(first) if isinstance(first, torch.Tensor) else None
-            self._elementwise_input[name] = placement
+            layout = self.produced(first) if isinstance(first, torch.Tensor) else None
+            self._elementwise_input[name] = layout
 
         return hook
 
@@ -197,10 +227,10 @@ class ShardedValues:
         it, or of a tensor of the same layout (its gradient)."""
         if is_dtensor(tensor):
             return _full
-        placement = self._placement(name, kind, view, tensor, path)
-        if placement is None or placement.is_replicate():
+        layout = self._layout(name, kind, view, tensor, path)
+        if layout is None or layout.whole:
             return _same
-        return lambda local: _gather(local, self.mesh, placement)
+        return lambda local: _gather(local, self.mesh, layout)
 
     def edit(self, name: str, kind: str, value: Any, fn: Callable[[Any], Any]) -> Any:
         """``fn`` applied to the whole ``value`` (a raw view: before the style's hooks), each
@@ -211,11 +241,11 @@ class ShardedValues:
             if is_dtensor(tensor):
                 restore[path] = _as_dtensor_like(tensor)
                 return _full(tensor)
-            placement = self._placement(name, kind, "raw", tensor, path)
-            if placement is None or placement.is_replicate():
+            layout = self._layout(name, kind, "raw", tensor, path)
+            if layout is None or layout.whole:
                 return tensor
-            restore[path] = _local_like(tensor, self.mesh, placement)
-            return _gather(tensor, self.mesh, placement)
+            restore[path] = _local_like(tensor, self.mesh, layout)
+            return _gather(tensor, self.mesh, layout)
 
         whole = _map(value, whole_one, _keep, "")
         edited = fn(whole)
@@ -226,19 +256,19 @@ class ShardedValues:
     def _whole(self, name: str, kind: str, view: View, tensor: torch.Tensor, path: str) -> Any:
         return self.gatherer(name, kind, view, tensor, path)(tensor)
 
-    def _placement(self, name: str, kind: str, view: View, tensor: torch.Tensor, path: str) -> Any:
-        """The placement of a local ``tensor``, or ``None`` for a whole one; refuses a value
+    def _layout(
+        self, name: str, kind: str, view: View, tensor: torch.Tensor, path: str
+    ) -> Layout | None:
+        """The layout of a local ``tensor``, or ``None`` for a whole one; refuses a value
         that differs between the ranks of the mesh with no known placement."""
         base = kind.removeprefix("grad_")
         given = self.given.get(f"{base}[{name}]")
         if given is not None:
-            return given
-        styles: StyleLayouts | None = self._styles.get(name)
+            return Layout(given)
         place = _place(base, path)
-        if styles is not None and place is not None:
-            declared = styles.placement(view, place)
-            if declared is not None:
-                return declared
+        declared = None if place is None else self._declared(name, view, place)
+        if declared is not None:
+            return declared
         if base == "outputs" and is_elementwise(self.modules.get(name)):
             inherited = self._elementwise_input.get(name)
             if inherited is not None:
@@ -311,22 +341,48 @@ def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([shape, sums])
 
 
-def _sizes(local: torch.Tensor, dim: int, group: Any) -> list[int]:
+def _declared_size(module: nn.Module, place: Place, placement: Any) -> int | None:
+    """The whole size along a style's ``Shard(-1)`` where the module tells it: a
+    ``Linear``'s ``out_features`` (output) or ``in_features`` (input), an ``Embedding``'s
+    ``embedding_dim`` (output)."""
+    if not placement.is_shard() or placement.dim != -1:
+        return None
+    if isinstance(module, nn.Linear):
+        return module.out_features if place == ("output", 0) else module.in_features
+    if isinstance(module, nn.Embedding) and place == ("output", 0):
+        return module.embedding_dim
+    return None
+
+
+def _sizes(local: torch.Tensor, dim: int, mesh: Any, layout: Layout) -> list[int]:
+    """Each rank's size along ``dim``: by torch's chunking of the whole size where it is
+    known (as the module's weight was split), else gathered."""
+    ranks = mesh.size()
+    if layout.size is not None:
+        chunk = -(-layout.size // ranks)
+        return [max(0, min(chunk, layout.size - r * chunk)) for r in range(ranks)]
     size = torch.tensor([local.shape[dim]], device=local.device)
-    every = [torch.empty_like(size) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(every, size, group=group)
+    every = [torch.empty_like(size) for _ in range(ranks)]
+    torch.distributed.all_gather(every, size, group=mesh.get_group())
     return [int(s) for s in every]
 
 
-def _gather(local: torch.Tensor, mesh: Any, placement: Any) -> torch.Tensor:
-    """The whole value of a local tensor of ``placement`` on the 1-D ``mesh``, through
+def _gather(local: torch.Tensor, mesh: Any, layout: Layout) -> torch.Tensor:
+    """The whole value of a local tensor of ``layout`` on the 1-D ``mesh``, through
     DTensor's collectives (autograd follows them: an edit's gradient reaches the shards)."""
     from torch.distributed.tensor import DTensor
 
+    placement = layout.placement
     if placement.is_partial():
         return _full(DTensor.from_local(local, mesh, [placement], run_check=False))
     dim = placement.dim % local.dim()
-    sizes = _sizes(local, dim, mesh.get_group())  # shards may be uneven (a sequence split)
+    sizes = _sizes(local, dim, mesh, layout)  # shards may be uneven (a sequence split)
+    if sizes[mesh.get_local_rank()] != local.shape[dim]:
+        raise CaptureError(
+            f"a local shard of {local.shape[dim]} along dimension {dim} where its layout "
+            f"({placement}, whole size {layout.size}) gives this rank {sizes}: the parallel "
+            "style and the module disagree"
+        )
     largest = max(sizes)
     padded = local
     if local.shape[dim] < largest:
@@ -339,14 +395,14 @@ def _gather(local: torch.Tensor, mesh: Any, placement: Any) -> torch.Tensor:
     return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, sizes, strict=True)], dim)
 
 
-def _local_like(local: torch.Tensor, mesh: Any, placement: Any) -> Restore:
+def _local_like(local: torch.Tensor, mesh: Any, layout: Layout) -> Restore:
     """Cut a whole value back to this rank's part, as ``local`` is of its whole."""
+    placement = layout.placement
     if placement.is_partial():  # a sum's part: this rank's share is the whole on rank 0
         first = mesh.get_local_rank() == 0
         return lambda whole: whole if first else torch.zeros_like(whole)
     dim = placement.dim % local.dim()
-    group = mesh.get_group()
-    sizes = _sizes(local, dim, group)
+    sizes = _sizes(local, dim, mesh, layout)
     start = sum(sizes[: mesh.get_local_rank()])
     return lambda whole: whole.narrow(dim, start, sizes[mesh.get_local_rank()]).contiguous()
 

@@ -257,7 +257,7 @@ class ModelIOCatcher:
             grad_inputs=resolved_grad_in,
             grad_outputs=resolved_grad_out,
             parts=parts,
-            sharded=ShardedValues.of(self.model, modules, self.shard_layouts),
+            sharded=ShardedValues.of(self.model, modules, self.shard_layouts, index.values()),
         )
         return self._requested
 

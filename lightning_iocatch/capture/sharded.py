@@ -30,7 +30,7 @@ ones in the same order, as its forward does. A model without parallel styles and
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +120,7 @@ class ShardedValues:
     def __init__(
         self, model: nn.Module, modules: Mapping[str, nn.Module], shard_layouts: Mapping[str, Any]
     ) -> None:
-        self.mesh = tensor_parallel_mesh(model)
+        self.mesh = tensor_parallel_mesh(model.modules())
         self.modules = dict(modules)
         self.given = dict(shard_layouts)
         self._styles = {name: style_layouts(module) for name, module in model.named_modules()}
@@ -137,10 +137,11 @@ class ShardedValues:
         model: nn.Module,
         modules: Mapping[str, nn.Module],
         shard_layouts: Mapping[str, Any] | None = None,
+        every: Iterable[nn.Module] | None = None,
     ) -> ShardedValues | None:
         """A :class:`ShardedValues` for ``model`` if it is tensor-parallel (or layouts are
-        given), else ``None``."""
-        if tensor_parallel_mesh(model) is None:
+        given), else ``None``. ``every``: the model's modules, where the caller has them."""
+        if tensor_parallel_mesh(model.modules() if every is None else every) is None:
             if shard_layouts:
                 raise CaptureError(
                     f"`shard_layouts` {dict(shard_layouts)} given, but the model has no "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -170,14 +171,18 @@ def _read_outputs(layouts: StyleLayouts, closure: dict[str, Any], sequence: Any)
         layouts.prepared["output", 0] = sequence
 
 
-def tensor_parallel_mesh(model: nn.Module) -> Any:
-    """The device mesh of the first parallel style found in ``model`` (``None``: none)."""
-    for module in model.modules():
-        hugging_face = _hugging_face_style(module)
-        if hugging_face is not None:
-            return hugging_face[1]
-        for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]:
-            closure = _tensor_parallel_hook(hook)
-            if closure is not None:
-                return closure["device_mesh"]
+def tensor_parallel_mesh(modules: Iterable[nn.Module]) -> Any:
+    """The device mesh of the first parallel style found among ``modules`` (a model's
+    ``modules()``; ``None``: none). Cheap where no module has hooks or a replaced
+    ``forward``: the cost of a plain model's session."""
+    for module in modules:
+        if "forward" in module.__dict__:
+            hugging_face = _hugging_face_style(module)
+            if hugging_face is not None:
+                return hugging_face[1]
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for hook in hooks.values() if hooks else ():
+                closure = _tensor_parallel_hook(hook)
+                if closure is not None:
+                    return closure["device_mesh"]
     return None

@@ -27,10 +27,13 @@ _FLOATS = [
     if isinstance(dtype := getattr(torch, name, None), torch.dtype) and dtype.is_floating_point
 ]
 
+_WIDE_FLOATS = [name for name in _FLOATS if getattr(torch, name).itemsize > 1]
+
 __all__ = [
     "check_bool",
     "check_int",
     "check_optional_bool",
+    "parse_capture_dtype",
     "parse_device",
     "parse_dtype",
     "parse_read_dtype",
@@ -97,7 +100,47 @@ def parse_device(name: str, value: Any) -> torch.device | None:
 
 
 def parse_dtype(name: str, value: Any) -> torch.dtype | None:
-    """A floating-point ``torch.dtype`` from a dtype or its name (``"float16"``), or ``None``."""
+    """A floating-point ``torch.dtype`` from a dtype or its name (``"float16"``), or ``None``:
+    a dtype to store in, 8-bit floats included (a store scales them per row)."""
+    return _parse_float(
+        name,
+        value,
+        _FLOATS,
+        "'float32', 'float16', 'bfloat16', or to store 'float8_e4m3fn' or 'float8_e5m2' "
+        "(scaled per row)",
+    )
+
+
+def parse_capture_dtype(name: str, value: Any) -> torch.dtype | None:
+    """:func:`parse_dtype` for the dtype captures are cast to: 8-bit floats refused (a cast
+    has no scale: in float8_e4m3fn 1000 would be 448 and 0.0007 would be 0), pointing to
+    ``FeatureWriter(dtype=...)``, which scales per row; a misspelt name is matched
+    against the other floating dtypes only.
+
+    Examples:
+        >>> parse_capture_dtype("dtype", "bfloat16")
+        torch.bfloat16
+        >>> try:
+        ...     parse_capture_dtype("dtype", "flaot16")
+        ... except ValueError as error:
+        ...     print(str(error).split("; ")[1])
+        got str ('flaot16'): did you mean 'float16'?
+    """
+    parsed = _parse_float(name, value, _WIDE_FLOATS, "'float32', 'float16', 'bfloat16'")
+    if parsed is not None and parsed.itemsize == 1:
+        short = str(parsed).removeprefix("torch.")
+        raise ValueError(
+            f"`{name}` {short} is not a capture dtype: an 8-bit float capture would be cast "
+            "without a scale (in float8_e4m3fn 1000 becomes 448 and 0.0007 becomes 0). "
+            "Capture in float32, bfloat16 or float16, and store 8-bit floats with "
+            f"`FeatureWriter(dtype={short!r})`, which scales each row"
+        )
+    return parsed
+
+
+def _parse_float(name: str, value: Any, floats: list[str], allowed: str) -> torch.dtype | None:
+    """A floating-point dtype from ``value``; a misspelt name gets the close one of
+    ``floats`` (the names that may be suggested), the error lists ``allowed``."""
     if value is None:
         return None
     parsed = value
@@ -107,11 +150,15 @@ def parse_dtype(name: str, value: Any) -> torch.dtype | None:
         close = ""
         if isinstance(value, str):
             key = value.strip().lower().removeprefix("torch.").replace("-", "_")
-            found = _CLOSE.get(key) or next(iter(difflib.get_close_matches(key, _FLOATS)), None)
+            known = _CLOSE.get(key)  # a name people write: that dtype or none
+            found = (
+                (known if known in floats else None)
+                if known
+                else next(iter(difflib.get_close_matches(key, floats)), None)
+            )
             close = f": did you mean {found!r}?" if found else ""
         raise ValueError(
-            f"`{name}` must be a floating-point torch dtype or its name: 'float32', 'float16', "
-            "'bfloat16', or to store 'float8_e4m3fn' or 'float8_e5m2' (scaled per row); got "
+            f"`{name}` must be a floating-point torch dtype or its name: {allowed}; got "
             f"{_got(value)}{close}"
         )
     return parsed

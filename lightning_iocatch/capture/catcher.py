@@ -34,7 +34,12 @@ from lightning_iocatch.capture.spec import (
     resolve_names,
 )
 from lightning_iocatch.capture.transform import CaptureTransform, Kind
-from lightning_iocatch.checks import check_bool, check_int, parse_device, parse_dtype
+from lightning_iocatch.checks import (
+    check_bool,
+    check_int,
+    parse_capture_dtype,
+    parse_device,
+)
 from lightning_iocatch.errors import CaptureError
 
 __all__ = [
@@ -94,7 +99,9 @@ class ModelIOCatcher:
     (the components wrappers insert, such as ``_orig_mod.`` of ``torch.compile`` or
     ``_fsdp_wrapped_module.``, may be left out), and names may
     use globs (see :mod:`lightning_iocatch.capture.spec`). ``device`` is where captured tensors
-    are copied (``None``: where they are); ``dtype`` casts floating tensors. From a CUDA
+    are copied (``None``: where they are); ``dtype`` casts floating tensors (not to 8-bit
+    floats, which a cast without a scale would clip or zero: a ``FeatureWriter`` stores
+    them scaled per row). From a CUDA
     model to the CPU, copies run asynchronously on a side stream into at most
     ``pinned_memory_bytes`` of pinned memory (``0``: synchronous copies); the buffer
     waits for them whenever it is read, so no value is ever seen half-copied.
@@ -155,7 +162,7 @@ class ModelIOCatcher:
             raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.device = parse_device("device", device)
-        self.dtype = parse_dtype("dtype", dtype)
+        self.dtype = parse_capture_dtype("dtype", dtype)
         pinned = check_int("pinned_memory_bytes", pinned_memory_bytes, minimum=0)
         self.transfer = CaptureTransfer(self.device, self.dtype, pinned_bytes=pinned)
         self._session: CaptureSession | None = None
@@ -257,7 +264,7 @@ class ModelIOCatcher:
             grad_inputs=resolved_grad_in,
             grad_outputs=resolved_grad_out,
             parts=parts,
-            sharded=ShardedValues.of(self.model, modules, self.shard_layouts, index.values()),
+            sharded=ShardedValues.of(self.model, self.shard_layouts, index.values()),
         )
         return self._requested
 

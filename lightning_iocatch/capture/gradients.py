@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from lightning_iocatch.capture.sharded import Whole
 from lightning_iocatch.capture.snapshots import _keep, _map, map_tensors
 from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
 from lightning_iocatch.errors import CaptureError
@@ -66,7 +67,6 @@ Part = Callable[[Any], torch.Tensor]
 """Picks one tensor of a value as captures hold it (inputs: ``{"args", "kwargs"}``)."""
 
 _state = threading.local()  # .recording: False, "armed" (inside `recording_gradients`), "on"
-Whole = Callable[[torch.Tensor], torch.Tensor]
 _TAKEN = torch.empty(0)  # a part's place once found: later places of its tensor stay
 
 
@@ -192,13 +192,15 @@ class GradientSites:
         transform: CaptureTransform | None = None,
         calls: int = 0,
         whole: Callable[[torch.Tensor, str], Whole] | None = None,
+        follow: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> Any:
         """``value`` with each of its floating tensors (only the one ``part`` picks of
         ``{"args", "kwargs"}`` or the output, if given) replaced by a copy in the graph,
         hooked, for the forward to go on with. ``transform`` (the batch's) is applied to
         each gradient as it arrives, at the site of this call (``calls``: the values of
         ``name``'s ``kind`` the buffer already holds). ``whole(tensor, path)``: how to
-        make the gradient of a sharded tensor whole, applied first (tensor parallelism:
+        make the gradient of a sharded tensor whole, applied first, and ``follow(tensor,
+        copy)`` tells that the copy stands in the tensor's place (tensor parallelism:
         :mod:`~lightning_iocatch.capture.sharded`)."""
         try:
             _check_recording(name, kind)
@@ -228,12 +230,17 @@ class GradientSites:
             place = len(site.tensors)
             if whole is not None:
                 site.wholes[place] = whole(tensor, path)
+            if follow is not None:
+                follow(tensor, handed)
             site.tensors.append(handed)
             site.edges.append(get_gradient_edge(handed))
             site.handles.append(handed.register_hook(_receiver(weakref.ref(site), place)))
             return handed
 
         attached = _map(value, hooked, _keep, "")
+        if not site.tensors:
+            self.clear()  # the error is the news: not also "no backward reached"
+            raise _nothing_floating(name, kind, value)
         site.value = attached
         self.sites.append(site)
         return attached
@@ -331,6 +338,31 @@ def _structured(kind: Kind, value: Any) -> Any:
     if kind == "grad_inputs":
         return {"args": value[0], "kwargs": value[1]}
     return value
+
+
+def _nothing_floating(name: str, kind: Kind, value: Any) -> CaptureError:
+    """The refusal of a site whose value holds no floating tensor (an embedding's token
+    ids): it has no gradient, and would be captured as nothing (or ``None``)."""
+    dtypes: list[str] = []
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        dtypes.append(str(tensor.dtype).removeprefix("torch."))
+        return tensor
+
+    map_tensors(value, note)
+    held = f"{', '.join(dict.fromkeys(dtypes))} tensors only" if dtypes else "no tensor"
+    if kind == "grad_inputs":
+        said = f"its input holds {held} (token ids?)"
+        instead = f"ask for 'grad_outputs[{name}]' (the gradient of what it makes of them)"
+        return CaptureError(
+            f"{name!r} has no floating input, so its inputs have no gradient: {said}; "
+            f"{instead}, or leave {name!r} out of grad_inputs[...]"
+        )
+    return CaptureError(
+        f"{name!r} has no floating output, so its outputs have no gradient: its output "
+        f"holds {held}; ask for the gradient of a module whose output is floating, or "
+        f"leave {name!r} out of grad_outputs[...]"
+    )
 
 
 def _nothing(obj: Any) -> None:

@@ -25,7 +25,7 @@ from lightning_iocatch.capture.compiled import prepare_for_hooks
 from lightning_iocatch.capture.coordinator import ForwardCoordinator
 from lightning_iocatch.capture.edits import Edit, RunningMean, apply_edits
 from lightning_iocatch.capture.gradients import GradientSites, Part
-from lightning_iocatch.capture.sharded import ShardedValues
+from lightning_iocatch.capture.sharded import ShardedValues, Whole
 from lightning_iocatch.capture.snapshots import CaptureTransfer
 from lightning_iocatch.capture.transform import CaptureTransform, Kind, Site
 from lightning_iocatch.errors import CaptureError
@@ -223,13 +223,16 @@ class CaptureSession:
         transform = self.buffer.transform
         calls = self.buffer.calls(name, kind) if transform is not None else 0
         sharded = self.sharded
-        whole = None
-        if sharded is not None:  # each gradient made whole as it arrives, before the transform
+        if sharded is None:
+            return self._gradients.attach(name, kind, value, part, transform, calls)
+        call = sum(1 for site in self._gradients.sites if (site.name, site.kind) == (name, kind))
 
-            def whole(tensor: torch.Tensor, path: str) -> Callable[[torch.Tensor], torch.Tensor]:
-                return sharded.gatherer(name, kind, "raw", tensor, path)
+        def whole(tensor: torch.Tensor, path: str) -> Whole:  # as each gradient arrives
+            return sharded.gatherer(name, kind, "raw", tensor, path, call)
 
-        return self._gradients.attach(name, kind, value, part, transform, calls, whole)
+        return self._gradients.attach(
+            name, kind, value, part, transform, calls, whole, follow=sharded.follow
+        )
 
     def set_batch_indices(self, indices: Sequence[int] | None) -> None:
         """The next forwards are of a batch whose samples have the dataset ``indices`` (in
@@ -298,7 +301,9 @@ class CaptureSession:
         whole value, cut back to the form the forward continues with."""
         if self.sharded is None or not any(edit.call in (None, call) for edit in mine):
             return apply_edits(mine, kind, value, call)
-        return self.sharded.edit(name, kind, value, lambda v: apply_edits(mine, kind, v, call))
+        return self.sharded.edit(
+            name, kind, value, lambda v: apply_edits(mine, kind, v, call), call
+        )
 
     def _acts(self) -> bool:
         """Whether this session's hooks act now (it is not set aside while forwards run on
@@ -324,7 +329,7 @@ class CaptureSession:
         """Copy ``value`` (its part, if one is asked for) through the batch's transform (or
         ``transform``) into the buffer; stop if done."""
         if self.sharded is not None and kind in ("inputs", "outputs"):
-            value = self.sharded.whole(name, kind, value, "prepared")
+            value = self.sharded.whole(name, kind, value, "prepared", self.buffer.calls(name, kind))
         part = self.parts.get((name, kind))
         if part is not None:
             value = part(value)

@@ -13,13 +13,17 @@ value's device, before anything else reads it:
   tensor came out of such a style's hooks in the same forward, where an elementwise
   module (``ReLU``, ``GELU``, ``SiLU``, ``Dropout``, ...) passes such a tensor on (its
   output is sharded as its input), or where the user gave it (``shard_layouts``);
-- any other plain tensor of a tensor-parallel model: at its first call, checked to be the
-  same on every rank of the mesh (a replicated value is whole). A value that differs is a
-  shard whose layout cannot be known (a hand-written tensor-parallel layer): refused,
-  naming the module and the ``shard_layouts`` entry to give. Never stored as a shard.
+- any other plain tensor of a tensor-parallel model: at the first batch, for each call,
+  checked to be the same on every rank of the mesh (a replicated value is whole). A value
+  that differs is a shard whose layout cannot be known (a hand-written tensor-parallel
+  layer): refused, naming the module and the ``shard_layouts`` entry to give. Never
+  stored as a shard.
 
 Edits (:meth:`ShardedValues.edit`) apply to the whole value, which is then cut back to the
-form the forward continues with (the same DTensor placements, or the same local shard).
+form the forward continues with (the same DTensor placements, or the same local shard,
+whose layout what follows keeps). The collectives are in :mod:`.shard_gather`; a DTensor
+captured from a model without parallel styles is made whole by the copy itself
+(:mod:`.snapshots`).
 
 Gathers are collectives of the mesh: every rank of a tensor-parallel group makes the same
 ones in the same order, as its forward does. A model without parallel styles and without
@@ -31,14 +35,26 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_iocatch.capture.snapshots import _map
+from lightning_iocatch.capture.shard_gather import (
+    Layout,
+    as_dtensor_like,
+    check_sizes,
+    chunk_sizes,
+    declared_size,
+    fingerprint,
+    full_value,
+    gather,
+    gather_sizes,
+    is_dtensor,
+    local_like,
+)
+from lightning_iocatch.capture.snapshots import _keep, _map
 from lightning_iocatch.capture.tp_layouts import (
     Place,
     StyleLayouts,
@@ -52,6 +68,7 @@ __all__ = [
     "ELEMENTWISE",
     "Layout",
     "ShardedValues",
+    "Whole",
     "checked_shard_layouts",
     "is_dtensor",
     "is_elementwise",
@@ -73,38 +90,17 @@ _HUGGING_FACE_ELEMENTWISE = frozenset(
 )  # fmt: skip
 
 
+Whole = Callable[[torch.Tensor], torch.Tensor]
+"""Makes a tensor (or a gradient of one) whole."""
+
+
 def is_elementwise(module: Any) -> bool:
     """Whether ``module``'s output is sharded exactly as its one input: torch's
-    :data:`ELEMENTWISE` modules and Hugging Face's activations (``transformers.activations``)."""
+    :data:`ELEMENTWISE` modules (exactly these classes: a subclass may compute otherwise)
+    and Hugging Face's activations (``transformers.activations``)."""
     kind = type(module)
     hugging_face = kind.__module__ == "transformers.activations"
-    return isinstance(module, ELEMENTWISE) or (
-        hugging_face and kind.__name__ in _HUGGING_FACE_ELEMENTWISE
-    )
-
-
-Whole = Callable[[torch.Tensor], torch.Tensor]
-Restore = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a local tensor lies on the tensor-parallel mesh: its ``placement``, and for a
-    ``Shard`` the whole value's size along that dimension where it is known (a column-split
-    ``Linear``'s ``out_features``): then each rank's part follows torch's chunking and one
-    gather makes it whole; else the parts' sizes are gathered first."""
-
-    placement: Any
-    size: int | None = None
-
-    @property
-    def whole(self) -> bool:
-        return bool(self.placement.is_replicate())
-
-
-def is_dtensor(tensor: Any) -> bool:
-    """Whether ``tensor`` is a DTensor (without importing it where it is not)."""
-    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "placements")
+    return kind in ELEMENTWISE or (hugging_face and kind.__name__ in _HUGGING_FACE_ELEMENTWISE)
 
 
 class ShardedValues:
@@ -112,50 +108,52 @@ class ShardedValues:
 
     Args:
         model: the model, parallelized (its styles are read from its hooks).
-        modules: the session's modules by name (the sites it hooks).
+        mesh: its tensor-parallel mesh (:func:`~.tp_layouts.tensor_parallel_mesh`).
         shard_layouts: placements the user gives for values no style declares, by
             ``"{inputs|outputs}[{name}]"`` (every tensor of that value).
     """
 
-    def __init__(
-        self, model: nn.Module, modules: Mapping[str, nn.Module], shard_layouts: Mapping[str, Any]
-    ) -> None:
-        self.mesh = tensor_parallel_mesh(model.modules())
-        self.modules = dict(modules)
+    def __init__(self, model: nn.Module, mesh: Any, shard_layouts: Mapping[str, Any]) -> None:
+        self.mesh = mesh
         self.given = dict(shard_layouts)
-        self._styles = {name: style_layouts(module) for name, module in model.named_modules()}
-        self._names = {id(module): name for name, module in model.named_modules()}
         self._model = model
-        self._modules = dict(model.named_modules())
+        self._by_name = dict(model.named_modules())
+        self._styles = {name: style_layouts(module) for name, module in self._by_name.items()}
+        self._names = {id(module): name for name, module in self._by_name.items()}
         self._produced: dict[int, tuple[weakref.ref[torch.Tensor], Layout]] = {}
         self._elementwise_input: dict[str, Layout | None] = {}  # name -> its input's layout
-        self._replicated: set[tuple[str, str, str]] = set()  # sites checked to be whole
+        self._replicated: set[tuple[str, str, str, int]] = set()  # calls checked whole
+        self._sizes_checked: set[tuple[str, str, str, str]] = set()  # declared sizes checked
 
     @classmethod
     def of(
         cls,
         model: nn.Module,
-        modules: Mapping[str, nn.Module],
         shard_layouts: Mapping[str, Any] | None = None,
         every: Iterable[nn.Module] | None = None,
     ) -> ShardedValues | None:
-        """A :class:`ShardedValues` for ``model`` if it is tensor-parallel (or layouts are
-        given), else ``None``. ``every``: the model's modules, where the caller has them."""
-        if tensor_parallel_mesh(model.modules() if every is None else every) is None:
+        """A :class:`ShardedValues` for ``model`` if it is tensor-parallel, else ``None``.
+        ``every``: the model's modules, where the caller has them.
+
+        Raises:
+            CaptureError: ``shard_layouts`` given for a model with no parallel style.
+        """
+        mesh = tensor_parallel_mesh(model.modules() if every is None else every)
+        if mesh is None:
             if shard_layouts:
                 raise CaptureError(
                     f"`shard_layouts` {dict(shard_layouts)} given, but the model has no "
-                    "tensor-parallel style (parallelize_module): its values are whole; "
-                    "leave `shard_layouts` out"
+                    "tensor-parallel style (parallelize_module, or Hugging Face's plan): "
+                    "its values are whole as each process holds them; leave it out"
                 )
             return None
-        return cls(model, modules, shard_layouts or {})
+        return cls(model, mesh, shard_layouts or {})
 
     # Hooks that follow local shards through a forward
 
     def register_tracking(self) -> list[RemovableHandle]:
         """Hooks after every parallel style's (the local tensors it hands on, with their
-        placements) and on elementwise modules (their outputs keep their input's). Call
+        layouts) and on elementwise modules (their outputs keep their input's). Call
         before a session registers its captures; remove the handles when it closes."""
         handles: list[RemovableHandle] = []
         for module in self._model.modules():
@@ -173,17 +171,21 @@ class ShardedValues:
             self._produced[id(tensor)] = (weakref.ref(tensor), layout)
         self._produced = {k: v for k, v in self._produced.items() if v[0]() is not None}
 
+    def follow(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` (handed on in ``old``'s place: a gradient site's copy) lies as ``old``."""
+        self._remember(new, self.produced(old))
+
     def _declared(self, name: str, view: View, place: Place) -> Layout | None:
         """The layout ``name``'s parallel style declared for ``place`` in ``view``."""
         styles: StyleLayouts | None = self._styles.get(name)
         placement = styles.placement(view, place) if styles is not None else None
         if placement is None:
             return None
-        return Layout(placement, _declared_size(self._modules[name], place, placement))
+        return Layout(placement, declared_size(self._by_name[name], place, placement))
 
     def produced(self, tensor: torch.Tensor) -> Layout | None:
-        """The layout of a local tensor a style (or an elementwise module after one)
-        handed on in this forward, or ``None``."""
+        """The layout of a local tensor a style (or an elementwise module after one, or an
+        edit) handed on in this forward, or ``None``."""
         found = self._produced.get(id(tensor))
         return found[1] if found is not None and found[0]() is tensor else None
 
@@ -218,47 +220,76 @@ class ShardedValues:
 
     # Whole values
 
-    def whole(self, name: str, kind: str, value: Any, view: View) -> Any:
-        """``value`` (of ``name``'s ``kind``, as a hook of ``view`` sees it) with every
-        sharded tensor made whole; inputs as ``{"args", "kwargs"}`` or ``(args, kwargs)``."""
-        return _map(value, lambda t, path: self._whole(name, kind, view, t, path), _keep, "")
+    def whole(self, name: str, kind: str, value: Any, view: View, call: int) -> Any:
+        """``value`` (of ``name``'s ``kind`` at its ``call``, as a hook of ``view`` sees it)
+        with every sharded tensor made whole; inputs as ``{"args", "kwargs"}`` or
+        ``(args, kwargs)``."""
 
-    def gatherer(self, name: str, kind: str, view: View, tensor: torch.Tensor, path: str) -> Whole:
+        def one(tensor: torch.Tensor, path: str) -> torch.Tensor:
+            return self.gatherer(name, kind, view, tensor, path, call)(tensor)
+
+        return _map(value, one, _keep, "")
+
+    def gatherer(
+        self, name: str, kind: str, view: View, tensor: torch.Tensor, path: str, call: int
+    ) -> Whole:
         """How to make ``tensor`` (at ``path`` of ``name``'s ``kind``) whole: a function of
-        it, or of a tensor of the same layout (its gradient)."""
+        it, or of a tensor of the same layout (its gradient: a ``Partial`` value's part has
+        the whole value's gradient)."""
         if is_dtensor(tensor):
-            return _full
-        layout = self._layout(name, kind, view, tensor, path)
+            return full_value  # a gradient's DTensor carries its own placement
+        layout = self._layout(name, kind, view, tensor, path, call)
         if layout is None or layout.whole:
             return _same
-        return lambda local: _gather(local, self.mesh, layout)
+        if layout.placement.is_partial():
+            return _same if kind.startswith("grad_") else self._gather_with(layout, [])
+        dim = layout.placement.dim % tensor.dim()
+        sizes = self._sizes(name, kind, view, path, tensor, dim, layout)
+        return self._gather_with(layout, sizes)
 
-    def edit(self, name: str, kind: str, value: Any, fn: Callable[[Any], Any]) -> Any:
+    def _gather_with(self, layout: Layout, sizes: list[int]) -> Whole:
+        return lambda local: gather(local, self.mesh, layout, sizes)
+
+    def edit(self, name: str, kind: str, value: Any, fn: Callable[[Any], Any], call: int) -> Any:
         """``fn`` applied to the whole ``value`` (a raw view: before the style's hooks), each
-        edited tensor cut back to the form of the one it replaces."""
-        restore: dict[str, Restore] = {}
+        edited tensor cut back to the form of the one it replaces (and a local part keeps
+        its layout for what follows)."""
+        restore: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Layout | None]] = {}
 
         def whole_one(tensor: torch.Tensor, path: str) -> torch.Tensor:
             if is_dtensor(tensor):
-                restore[path] = _as_dtensor_like(tensor)
-                return _full(tensor)
-            layout = self._layout(name, kind, "raw", tensor, path)
+                restore[path] = (as_dtensor_like(tensor), None)
+                return full_value(tensor)
+            layout = self._layout(name, kind, "raw", tensor, path, call)
             if layout is None or layout.whole:
                 return tensor
-            restore[path] = _local_like(tensor, self.mesh, layout)
-            return _gather(tensor, self.mesh, layout)
+            if layout.placement.is_partial():
+                raise CaptureError(
+                    f"an edit of {kind}{path} of {name!r}: a local part of a sum "
+                    f"({layout.placement}) has no part of an edited value to hand on; edit "
+                    "the module after the sum, or keep the value a DTensor "
+                    "(use_local_output=False)"
+                )
+            dim = layout.placement.dim % tensor.dim()
+            sizes = self._sizes(name, kind, "raw", path, tensor, dim, layout)
+            restore[path] = (local_like(tensor, self.mesh, layout, sizes), layout)
+            return gather(tensor, self.mesh, layout, sizes)
 
         whole = _map(value, whole_one, _keep, "")
         edited = fn(whole)
         if edited is whole:
             return value
-        return _map(edited, lambda t, path: restore.get(path, _same)(t), _keep, "")
 
-    def _whole(self, name: str, kind: str, view: View, tensor: torch.Tensor, path: str) -> Any:
-        return self.gatherer(name, kind, view, tensor, path)(tensor)
+        def back(tensor: torch.Tensor, path: str) -> torch.Tensor:
+            cut, layout = restore.get(path, (_same, None))
+            part = cut(tensor)
+            self._remember(part, layout)
+            return part
+
+        return _map(edited, back, _keep, "")
 
     def _layout(
-        self, name: str, kind: str, view: View, tensor: torch.Tensor, path: str
+        self, name: str, kind: str, view: View, tensor: torch.Tensor, path: str, call: int
     ) -> Layout | None:
         """The layout of a local ``tensor``, or ``None`` for a whole one; refuses a value
         that differs between the ranks of the mesh with no known placement."""
@@ -270,40 +301,53 @@ class ShardedValues:
         declared = None if place is None else self._declared(name, view, place)
         if declared is not None:
             return declared
-        if base == "outputs" and is_elementwise(self.modules.get(name)):
+        if base == "outputs" and is_elementwise(self._by_name.get(name)):
             inherited = self._elementwise_input.get(name)
             if inherited is not None:
                 return inherited
         produced = self.produced(tensor)
         if produced is not None:
             return produced
-        self._check_replicated(name, kind, path, tensor)
+        self._check_replicated(name, kind, path, call, tensor)
         return None
 
-    def _check_replicated(self, name: str, kind: str, path: str, tensor: torch.Tensor) -> None:
-        """At a site's first call: every rank of the mesh must hold the same value."""
-        site = (name, kind, path)
-        if site in self._replicated or tensor.is_complex():
+    def _sizes(
+        self, name: str, kind: str, view: View, path: str, local: torch.Tensor, dim: int,
+        layout: Layout,
+    ) -> list[int]:  # fmt: skip
+        """The parts' sizes along ``dim``: gathered, except where the module declares the
+        whole size (then checked against torch's chunking once per place, on every rank
+        alike, and taken from that rule after)."""
+        if layout.size is None:
+            return gather_sizes(local, dim, self.mesh)
+        place = (name, kind, view, path)
+        if place not in self._sizes_checked:
+            check_sizes(gather_sizes(local, dim, self.mesh), layout, f"{kind}{path} of {name!r}")
+            self._sizes_checked.add(place)
+        return chunk_sizes(layout.size, self.mesh.size())
+
+    def _check_replicated(
+        self, name: str, kind: str, path: str, call: int, tensor: torch.Tensor
+    ) -> None:
+        """At the first batch, for each call: every rank of the mesh holds the same value."""
+        site = (name, kind, path, call)
+        if site in self._replicated:
             return
         group = self.mesh.get_group()
-        mine = _fingerprint(tensor)
+        mine = fingerprint(tensor)
         every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
         torch.distributed.all_gather(every, mine, group=group)
         if not all(torch.equal(mine, other) for other in every):
             key = f"{kind.removeprefix('grad_')}[{name}]"
             raise CaptureError(
-                f"{kind}{path} of {name!r} differs between the ranks of the tensor-parallel "
-                "mesh: it is a local shard whose layout no parallel style declares (a "
-                "hand-written tensor-parallel layer?), and would be stored as a fragment; "
-                "give its placement, e.g. shard_layouts={"
+                f"{kind}{path} of {name!r} (call {call}) differs between the ranks of the "
+                "tensor-parallel mesh: it is a local shard whose layout no parallel style "
+                "declares (a hand-written tensor-parallel layer?), and would be stored as a "
+                "fragment; give its placement, e.g. shard_layouts={"
                 f"{key!r}: Shard(-1)}} (torch.distributed.tensor.Shard/Replicate/Partial), "
                 "or capture a module whose parallel style declares it"
             )
         self._replicated.add(site)
-
-
-def _keep(obj: Any) -> Any:
-    return obj
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
@@ -323,106 +367,6 @@ def _place(base: str, path: str) -> Place | None:
     if group in ("args", "0") and key.isdigit():
         return ("args", int(key))
     return ("kwargs", key) if group in ("kwargs", "1") else None
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    full = tensor.full_tensor()  # type: ignore[attr-defined]
-    wait = getattr(full, "wait", None)  # an AsyncCollectiveTensor
-    return wait() if callable(wait) else full
-
-
-def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """A value's shape and sums in float64, equal on two ranks that hold the same value."""
-    flat = tensor.detach().reshape(-1).to(torch.float64)
-    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64) % 97 + 1
-    shape = torch.zeros(9, dtype=torch.float64, device=flat.device)
-    shape[0] = tensor.dim()
-    shape[1 : 1 + min(tensor.dim(), 8)] = torch.tensor(tensor.shape[:8], dtype=torch.float64)
-    sums = torch.stack([flat.nansum(), (flat * weights).nansum(), flat.isnan().sum()])
-    return torch.cat([shape, sums])
-
-
-def _declared_size(module: nn.Module, place: Place, placement: Any) -> int | None:
-    """The whole size along a style's ``Shard(-1)`` where the module tells it: a
-    ``Linear``'s ``out_features`` (output) or ``in_features`` (input), an ``Embedding``'s
-    ``embedding_dim`` (output)."""
-    if not placement.is_shard() or placement.dim != -1:
-        return None
-    if isinstance(module, nn.Linear):
-        return module.out_features if place == ("output", 0) else module.in_features
-    if isinstance(module, nn.Embedding) and place == ("output", 0):
-        return module.embedding_dim
-    return None
-
-
-def _sizes(local: torch.Tensor, dim: int, mesh: Any, layout: Layout) -> list[int]:
-    """Each rank's size along ``dim``: by torch's chunking of the whole size where it is
-    known (as the module's weight was split), else gathered."""
-    ranks = mesh.size()
-    if layout.size is not None:
-        chunk = -(-layout.size // ranks)
-        return [max(0, min(chunk, layout.size - r * chunk)) for r in range(ranks)]
-    size = torch.tensor([local.shape[dim]], device=local.device)
-    every = [torch.empty_like(size) for _ in range(ranks)]
-    torch.distributed.all_gather(every, size, group=mesh.get_group())
-    return [int(s) for s in every]
-
-
-def _gather(local: torch.Tensor, mesh: Any, layout: Layout) -> torch.Tensor:
-    """The whole value of a local tensor of ``layout`` on the 1-D ``mesh``, through
-    DTensor's collectives (autograd follows them: an edit's gradient reaches the shards)."""
-    from torch.distributed.tensor import DTensor
-
-    placement = layout.placement
-    if placement.is_partial():
-        return _full(DTensor.from_local(local, mesh, [placement], run_check=False))
-    dim = placement.dim % local.dim()
-    sizes = _sizes(local, dim, mesh, layout)  # shards may be uneven (a sequence split)
-    if sizes[mesh.get_local_rank()] != local.shape[dim]:
-        raise CaptureError(
-            f"a local shard of {local.shape[dim]} along dimension {dim} where its layout "
-            f"({placement}, whole size {layout.size}) gives this rank {sizes}: the parallel "
-            "style and the module disagree"
-        )
-    largest = max(sizes)
-    padded = local
-    if local.shape[dim] < largest:
-        pad = list(local.shape)
-        pad[dim] = largest - local.shape[dim]
-        padded = torch.cat([local, local.new_zeros(pad)], dim=dim)
-    shard = type(placement)(dim)
-    every = _full(DTensor.from_local(padded.contiguous(), mesh, [shard], run_check=False))
-    parts = every.split(largest, dim=dim)
-    return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, sizes, strict=True)], dim)
-
-
-def _local_like(local: torch.Tensor, mesh: Any, layout: Layout) -> Restore:
-    """Cut a whole value back to this rank's part, as ``local`` is of its whole."""
-    placement = layout.placement
-    if placement.is_partial():  # a sum's part: this rank's share is the whole on rank 0
-        first = mesh.get_local_rank() == 0
-        return lambda whole: whole if first else torch.zeros_like(whole)
-    dim = placement.dim % local.dim()
-    sizes = _sizes(local, dim, mesh, layout)
-    start = sum(sizes[: mesh.get_local_rank()])
-    return lambda whole: whole.narrow(dim, start, sizes[mesh.get_local_rank()]).contiguous()
-
-
-def _as_dtensor_like(tensor: Any) -> Restore:
-    """Cut a whole value back to a DTensor of ``tensor``'s mesh and placements (a
-    ``Partial`` one becomes ``Replicate``: the same value, held whole), in a way autograd
-    follows (a replicated DTensor redistributed: each rank keeps its part)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    mesh = tensor.device_mesh
-    placements = [Replicate() if p.is_partial() else p for p in tensor.placements]
-    replicated = [Replicate()] * len(placements)
-
-    def restore(whole: torch.Tensor) -> torch.Tensor:
-        held = DTensor.from_local(whole, mesh, replicated, run_check=False)
-        return held.redistribute(mesh, placements)
-
-    return restore
 
 
 def checked_shard_layouts(layouts: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import torch
 
 from lightning_iocatch.capture.host_copy import CudaOps, HostCopier
 from lightning_iocatch.capture.pinned_ring import StagedCopy
+from lightning_iocatch.capture.shard_gather import full_value, is_dtensor
 from lightning_iocatch.capture.transform import CaptureTransform, Site
 
 __all__ = [
@@ -196,7 +197,8 @@ class CaptureTransfer:
     :mod:`lightning_iocatch.capture.host_copy`); everything else is copied as
     :func:`transfer_to_device` does. ``pinned_bytes=0`` turns the asynchronous path off.
     A call's ``transform`` first changes each tensor on its own device (see
-    :mod:`lightning_iocatch.capture.transform`).
+    :mod:`lightning_iocatch.capture.transform`). A DTensor is copied as its whole value
+    (``full_tensor()``, a collective of its mesh), never as this process's part.
     """
 
     def __init__(
@@ -228,6 +230,8 @@ class CaptureTransfer:
         host = self.host
 
         def copy_one(tensor: torch.Tensor, path: str) -> torch.Tensor:
+            if is_dtensor(tensor):  # never a part: a DTensor's whole value (a collective)
+                tensor = full_value(tensor)
             if transform is not None and site is not None:
                 replaced = transform.capture(tensor.detach(), site)
                 if replaced is not None:

@@ -61,11 +61,10 @@ class DataParallelLayout:
 
 
 def _sampler_settings(trainer: pl.Trainer) -> dict[str, int]:
-    try:
-        found = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
-    except (AttributeError, RuntimeError):
-        return {}
-    return dict(found or {})
+    """The strategy's sampler settings; none for a strategy of one process (every process
+    its own samples where a strategy has none, as Lightning's samplers then do)."""
+    strategy = getattr(trainer, "strategy", None)
+    return dict(getattr(strategy, "distributed_sampler_kwargs", None) or {})
 
 
 def forwards_gather_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:

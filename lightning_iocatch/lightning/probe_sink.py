@@ -108,8 +108,8 @@ class ProbeSink(CaptureSink):
         self._counts = DataParallelLayout.of(trainer).counts
 
     def on_batch(self, batch: BatchCaptures) -> None:
-        if batch.stage not in self.STAGES or not self._counts:
-            return  # another process of this one's tensor-parallel group counts the batch
+        if batch.stage not in self.STAGES:
+            return
         flat = flatten_captures(batch.captures)
         samples = _sample_count(batch, flat)
         repeated = batch.repeated if batch.repeated and len(batch.repeated) == samples else None
@@ -124,6 +124,8 @@ class ProbeSink(CaptureSink):
                 features[key] = tensor.to(self._device)
             elif tensor.is_floating_point():
                 self._unbatched.add((batch.dataloader_idx, key))
+        if not self._counts:  # checked as on the process that counts, which is another
+            return  # process of this one's tensor-parallel group
         for position, probe in enumerate(self.probes):
             if probe.per_tensor:
                 for key, tensor in features.items():

@@ -14,13 +14,8 @@ values are compared: each must see the whole value.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -28,6 +23,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from tests.conftest import ROOT
+from tests.gloo_pair import run_pair
 from tests.scripts.sharded_values import (
     CAPTURES,
     EDITS,
@@ -48,45 +44,11 @@ WORLD = 2
 TIMEOUT = 300  # seconds for both processes; the launch takes about 10
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Both ranks' results of the one launch (both processes killed past ``TIMEOUT``)."""
     out = tmp_path_factory.mktemp("sharded_values")
-    port = _free_port()
-    processes: list[subprocess.Popen[bytes]] = []
-    with ExitStack() as stack:
-        for rank in range(WORLD):
-            log = stack.enter_context(open(out / f"rank{rank}.log", "wb"))
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # fmt: skip
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, str(SCRIPT), str(out)],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        deadline = time.monotonic() + TIMEOUT
-        try:
-            for process in processes:
-                process.wait(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-    codes = [process.returncode for process in processes]
-    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
-    assert codes == [0] * WORLD, f"return codes {codes}:\n{logs}"
+    run_pair(SCRIPT, out, TIMEOUT)
     return torch.load(out / "results.pt", weights_only=False)
 
 
@@ -181,7 +143,7 @@ def test_hand_written_layer_refused_on_both_ranks(ranks: list[dict[str, Any]]) -
         for case in ("refused", "refused-edit"):
             error = results[case]
             assert isinstance(error, dict) and "error" in error, (rank, case, error)
-            assert error["error"].startswith("CaptureError: outputs of 'rogue' differs")
+            assert error["error"].startswith("CaptureError: outputs of 'rogue' (call 0) differs")
             assert "shard_layouts={'outputs[rogue]': Shard(-1)}" in error["error"]
         same(results["after-refused"], output_under(), f"rank {rank} after the refusal")
 

@@ -6,7 +6,9 @@ run of them. A :class:`RowLookup` reads only the stored batches that can hold th
 asked for: a batch is skipped on its record's index summary (the smallest and largest of
 its indices, and the progression they make where they make one), with no read; of a batch
 that holds some, its ``__index__`` is read (and checked against its record), then only
-the rows from the first to the last it holds of them.
+the rows it holds of them (:meth:`~.stored_batches.CommittedShard.take_rows`): not the rows
+between them, and of a store written with a codec only the blocks holding them, so a
+damaged block between two rows asked does not fail the read.
 
 An index the store does not hold is refused, naming it and the store: a patch never gets
 zeros, or another sample's row, in its place.
@@ -98,7 +100,6 @@ class RowLookup:
         rows: list[torch.Tensor] = []
         positions: list[torch.Tensor] = []
         for batch, stored, held in self._holding(unique):
-            first, stop = int(held[0]), int(held[-1]) + 1  # read only that span of rows
             names = [f"b{batch.position}/{self.key}"]
             if self.positions:
                 if POSITION_KEY not in batch.keys:
@@ -107,12 +108,11 @@ class RowLookup:
                         "which a store of token rows has for every row: it is damaged"
                     )
                 names.append(f"b{batch.position}/{POSITION_KEY}")
-            read = batch.source.read_rows(names, first, stop)
-            pick = torch.from_numpy(held - first)
+            read = batch.source.take_rows(names, held)  # those rows only, not those between
             indices.append(stored[held])
-            rows.append(read[names[0]][pick])
+            rows.append(read[names[0]])
             if self.positions:
-                positions.append(read[names[1]][pick].to(torch.int64))
+                positions.append(read[names[1]].to(torch.int64))
         every = np.concatenate(indices) if indices else np.empty(0, dtype=np.int64)
         order = np.argsort(every, kind="stable")  # a sample's rows are in one batch, in order
         ordered = every[order]

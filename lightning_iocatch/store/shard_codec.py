@@ -13,8 +13,12 @@ shape, rows per block and each block's compressed size.
 
 Each frame carries zstd's checksum of its content (XXH64), and its decoded size is
 checked: a damaged block is refused (:class:`~lightning_iocatch.StoreError` naming the
-shard, tensor and block), never decoded into garbage. zstd comes from the maintained
-``zstandard`` package (``pip install lightning-iocatch[zstd]``).
+shard, tensor and block), never decoded into garbage. A hostile one is refused before it
+is allocated: rows per block beyond the writer's rule when the metadata is parsed, a frame
+declaring another size than its block's before it is decoded, and a frame declaring none
+once it decodes past its block's size (with a window of at most 8 MiB or twice the block).
+zstd comes from the maintained ``zstandard`` package (``pip install
+lightning-iocatch[zstd]``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ BLOCK_BYTES = 1 << 20
 
 _LEVEL = 1  # level 3 measured slower and no smaller on shuffled float activations
 _META = "codec"
+_WINDOW_FLOOR = 8 << 20  # the window any frame of a block may have, whatever its size
 
 
 def check_codec(value: Any) -> str | None:
@@ -120,7 +125,7 @@ def encode_tensors(
         data = tensor.reshape(-1).view(torch.uint8).numpy()
         itemsize = tensor.element_size()
         row = math.prod(tensor.shape[1:]) * itemsize if tensor.dim() else len(data)
-        rows = max(1, block_bytes // row) if row and tensor.dim() else 1
+        rows = _rows_a_block(tensor.dim() > 0, row, block_bytes)
         step = rows * row  # 0 only for a tensor of no bytes: one empty block
         frames = []
         for start in range(0, len(data), step) if len(data) else [0]:
@@ -160,6 +165,12 @@ def parse_codec(metadata: Mapping[str, str], where: str) -> tuple[bool, dict[str
         for name, info in tensors.items():
             if info.code not in READABLE_CODES or info.rows < 1:
                 raise ValueError(f"{name!r} has dtype {info.code!r} and {info.rows} rows a block")
+            if info.rows > _most_rows(info):  # checked before any block is allocated
+                raise ValueError(
+                    f"{name!r} has {info.rows} rows a block, where the writer puts at most "
+                    f"{_most_rows(info)} (rows of {info.row_bytes} bytes, blocks of about "
+                    f"{BLOCK_BYTES})"
+                )
             blocks = max(1, -(-info.nbytes // info.block_bytes)) if info.block_bytes else 1
             if len(info.sizes) != blocks:
                 raise ValueError(f"{name!r} has {len(info.sizes)} blocks, its shape needs {blocks}")
@@ -169,21 +180,66 @@ def parse_codec(metadata: Mapping[str, str], where: str) -> tuple[bool, dict[str
         raise StoreError(message) from error
 
 
+def _rows_a_block(has_rows: bool, row_bytes: int, block_bytes: int) -> int:
+    """Rows a block holds (the writer's rule): as many whole rows as fit in
+    ``block_bytes``, at least one; a 0-d tensor, or one of empty rows, is one block."""
+    return max(1, block_bytes // row_bytes) if row_bytes and has_rows else 1
+
+
+def _most_rows(info: CodedTensor) -> int:
+    """The most rows a block of ``info`` may hold: the writer's with :data:`BLOCK_BYTES`, so
+    that no block is bigger than a writer's (a store written with smaller blocks reads)."""
+    return _rows_a_block(bool(info.shape), info.row_bytes, BLOCK_BYTES)
+
+
 def decode_block(
     raw: bytes | memoryview, info: CodedTensor, block: int, shuffle: bool, where: str
 ) -> np.ndarray:
     """The uncompressed bytes of ``block`` of a tensor (``where`` names the shard, tensor and
-    block in errors): checked against the frame's checksum and the block's size."""
+    block in errors): checked against the frame's checksum and the block's size.
+
+    Nothing beyond the block's size is allocated for a damaged or hostile frame: a frame
+    that declares another content size is refused before it is decoded, and one that
+    declares none is decoded as a stream of at most the block's size and one byte more,
+    with a window of at most :func:`_window_limit` bytes.
+    """
     zstandard = _zstd()
     size = info.block_size(block)
     try:
-        data = zstandard.ZstdDecompressor().decompress(raw, max_output_size=size)
+        declared = zstandard.frame_content_size(raw)
+        if declared not in (-1, size):
+            raise StoreError(
+                f"{where} is damaged: its frame declares {declared} bytes, the block holds {size}"
+            )
+        decoder = zstandard.ZstdDecompressor(max_window_size=_window_limit(size))
+        if declared == -1:
+            data = _read_at_most(decoder.stream_reader(raw), size + 1)
+        else:
+            data = decoder.decompress(raw, allow_extra_data=False)
     except zstandard.ZstdError as error:
         raise StoreError(f"{where} is damaged: it cannot be decoded ({error})") from None
     if len(data) != size:
-        raise StoreError(f"{where} is damaged: it decodes to {len(data)} bytes, not {size}")
+        got = f"more than {size}" if len(data) > size else str(len(data))
+        raise StoreError(f"{where} is damaged: it decodes to {got} bytes, not {size}")
     array = np.frombuffer(data, dtype=np.uint8)
     itemsize = READABLE_CODES[info.code].itemsize
     if shuffle and itemsize > 1 and size:
         array = np.ascontiguousarray(array.reshape(itemsize, -1).T).reshape(-1)
     return array
+
+
+def _window_limit(size: int) -> int:
+    """The largest zstd window a block of ``size`` bytes is decoded with: a frame the writer
+    compresses whole has one of at most twice its size (or 8 MiB, for frames of other
+    encoders); zstd's own limit (128 MiB) would let a forged frame take that much."""
+    return min(max(2 * size, _WINDOW_FLOOR), 1 << 31)
+
+
+def _read_at_most(reader: Any, limit: int) -> bytes:
+    """Up to ``limit`` decoded bytes of ``reader`` (fewer at the end of its frame)."""
+    parts, have = [], 0
+    with reader:
+        while have < limit and (part := reader.read(limit - have)):
+            parts.append(part)
+            have += len(part)
+    return b"".join(parts)

@@ -32,7 +32,7 @@ import torch
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.base import Shard
 from lightning_iocatch.store.backends.coded import CodedShard, KeptBlocks
-from lightning_iocatch.store.backends.safetensors_layout import Span
+from lightning_iocatch.store.backends.safetensors_layout import Span, row_width, to_tensor
 from lightning_iocatch.store.commits import LedgerEntry
 from lightning_iocatch.store.index_set import IndexSet
 from lightning_iocatch.store.names import INDEX_KEY, POSITION_KEY, TOKEN_ID_KEY
@@ -105,6 +105,23 @@ class CommittedShard:
         """Rows ``[first, stop)`` of the tensors ``names``, in the dtype asked."""
         self._check()
         read = self.shard.read_rows([*names, *self._scales_of(names)], first, stop)
+        return self._decoded(names, read)
+
+    def take_rows(self, names: Sequence[str], rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """Rows ``rows`` (row numbers) of the tensors ``names``, in that order and the dtype
+        asked: only the bytes of those rows are read (of a coded shard, the blocks holding
+        them), never the rows between them."""
+        self._check()
+        read = {}
+        for name in [*names, *self._scales_of(names)]:
+            span = self.shard.spans[name]
+            held = span.shape[0] if span.shape else 0
+            if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < held:
+                raise StoreError(f"shard {self} tensor {name!r} has {held} rows, not those asked")
+            width = row_width(span)
+            taken = self.shard.gather(span.start + rows.astype(np.int64) * width, width)
+            part = Span(span.code, (len(rows), *span.shape[1:]), 0, taken.size)
+            read[name] = to_tensor(taken.reshape(-1).data, part)
         return self._decoded(names, read)
 
     def _scales_of(self, names: Sequence[str]) -> dict[str, str]:

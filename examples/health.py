@@ -199,9 +199,8 @@ def main() -> None:
         dead = [figures[f"health/model.blocks.{b}/outputs/dead_frac"] for b in range(BLOCKS)]
         print(f"step {step:4d}: dead fraction per block {[round(d, 2) for d in dead]}")
     for found in monitor.nonfinite:
-        kept = "include" if poison_index(steps) in (found["indices"] or []) else "miss"
-        print(f"first non-finite value: step {found['step']}, {found['key']} (the batch's "
-              f"indices {kept} sample {poison_index(steps)})")  # fmt: skip
+        print(f"first non-finite value: step {found['step']}, {found['key']} (samples "
+              f"{found['indices']}; the poisoned one: {poison_index(steps)})")  # fmt: skip
     print(f"plot: {args.out / 'health.png'}")
 
 

@@ -109,7 +109,7 @@ def test_the_health_example_logs_what_a_hand_loop_computes(tmp_path: Path) -> No
     assert len(monitor.nonfinite) == 1
     found = monitor.nonfinite[0]
     assert found["step"] == last and found["key"] == f"model.blocks.{POISONED}/outputs"
-    assert poison_index(steps) in found["indices"] and len(found["indices"]) == BATCH
+    assert found["indices"] == [poison_index(steps)]  # the sample that went non-finite
 
     image = tmp_path / "health.png"
     assert image.stat().st_size > 10_000 and image.read_bytes()[:4] == b"\x89PNG"

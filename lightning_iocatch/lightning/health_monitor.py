@@ -19,9 +19,12 @@ through Lightning for each flat key ``k``: ``{prefix}/{k}/mean``, ``/rms``, ``/a
 A NaN or inf in a watched forward or backward is traced to the first place it appeared:
 the first key in the forward's execution order that has one, else, for gradients, the
 first in the backward's (the last of the forward). The monitor records it in
-:attr:`ActivationMonitor.nonfinite` (the step, the key, the batch's dataset indices when
-``indices=`` gives them) and warns, or with ``on_nonfinite="raise"`` stops training with
-that message.
+:attr:`ActivationMonitor.nonfinite` (the step, the key, the dataset indices of the samples
+whose rows of that key were not finite when ``indices=`` gives the batch's) and warns, or
+with ``on_nonfinite="raise"`` stops training with that message. It decides in
+``on_before_optimizer_step``, before the optimizer applies the step's update, so a raise
+leaves the model as it was when the step began (under manual optimization: at the
+batch's end, after the optimizer steps its ``training_step`` took).
 
 Examples:
     >>> monitor = ActivationMonitor("outputs[model.layers.*]", every_n_steps=50)
@@ -68,12 +71,14 @@ class ActivationMonitor(pl.Callback):
     Args:
         spec: the values to watch, e.g. ``"outputs[model.layers.*]|grad_outputs[model.layers.*]"``
             (names as seen from the LightningModule).
-        every_n_steps: watch the first optimizer step and every N-th after it.
+        every_n_steps: watch the first optimizer step and every N-th after it (under
+            manual optimization: the batches whose optimizer steps contain a multiple of N).
         tokens: count only the real tokens of a batch with an ``attention_mask``
             (``"attention_mask"``), or every row (``None``).
         on_nonfinite: ``"warn"``, or ``"raise"`` (a :class:`NonFiniteError` stops ``fit``).
-        indices: ``indices(batch)`` -> the batch's dataset indices, kept with a
-            non-finite value.
+        indices: ``indices(batch)`` -> the batch's dataset indices; those of the samples
+            that hold a non-finite value are kept with it (every index where a value's
+            first dimension is not the samples).
         histograms: also a histogram of ``|x|`` per key (4 bins a decade, ``1e-6`` to
             ``1e3``), logged as ``{prefix}/{key}/abs`` by the loggers that take
             histograms (Lightning's ``TensorBoardLogger`` and ``WandbLogger``).
@@ -105,13 +110,13 @@ class ActivationMonitor(pl.Callback):
         prefix: str = "health",
         history_size: int = 1000,
     ) -> None:
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+        if not _positive_int(every_n_steps):
             raise ValueError(f"`every_n_steps` must be a positive integer, got {every_n_steps!r}")
         if on_nonfinite not in ("warn", "raise"):
             raise ValueError(f"`on_nonfinite` must be 'warn' or 'raise', got {on_nonfinite!r}")
         if tokens not in ("attention_mask", None):
             raise ValueError(f"`tokens` must be 'attention_mask' or None, got {tokens!r}")
-        if not isinstance(history_size, int) or history_size < 1:
+        if not _positive_int(history_size):
             raise ValueError(f"`history_size` must be a positive integer, got {history_size!r}")
         self.spec = CaptureSpec.parse(spec)
         if self.spec.is_empty:
@@ -125,15 +130,19 @@ class ActivationMonitor(pl.Callback):
         self._catcher: ModelIOCatcher | None = None
         self._session: CaptureSession | None = None
         self._transform: _Statistics | None = None
-        self._step = -1  # the optimizer step being watched
+        self._step = -1  # the optimizer step the watched batch began at
+        self._named = -1  # the step its figures are logged at (a multiple of N in its steps)
+        self._span = 1  # the optimizer steps a batch takes (the last batch that stepped)
+        self._began = 0  # the optimizer step the current batch began at
         self._vectors: dict[str, torch.Tensor] = {}  # flat key -> merged statistics
         self._order: list[str] = []
         self._rank = 0
         self._counted = [0]  # the global ranks whose statistics count
-        self._batch_indices: list[int] = []
+        self._batch_indices: list[int] = []  # the current batch's, with ``indices``
+        self._samples: list[tuple[list[int], dict[str, torch.Tensor | None]]] = []  # per batch
         self._first: int | None = None  # the first step of this fit
         self._scaled = False  # a GradScaler scaled this step's backward
-        self._scales: list[torch.Tensor] = []  # its scale before each optimizer step
+        self._overflows: list[torch.Tensor] = []  # a gradient not finite, at each step
         self._layout = HealthLayout(self._head())
 
     @property
@@ -155,13 +164,20 @@ class ActivationMonitor(pl.Callback):
         self.nonfinite = [dict(record) for record in state_dict["nonfinite"]]
         self.last_values = dict(state_dict.get("last_values", {}))
 
-    def watches(self, step: int) -> bool:
-        """Whether optimizer step ``step`` (0 first) is watched."""
-        return step % self.every_n_steps == 0
+    def watches(self, step: int, steps: int = 1) -> bool:
+        """Whether a batch whose ``steps`` optimizer steps begin at ``step`` (0 first) is
+        watched: they contain a multiple of ``every_n_steps``.
+
+        Examples:
+            >>> monitor = ActivationMonitor("outputs[model.layers.*]", every_n_steps=3)
+            >>> [step for step in range(0, 12, 2) if monitor.watches(step, steps=2)]
+            [0, 2, 6, 8]
+        """
+        return -step % self.every_n_steps < max(steps, 1)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._forget()  # nothing of an earlier fit that stopped halfway
-        self._first = None
+        self._first, self._span = None, 1
         self._layout.forget()  # the processes (maybe others than before) agree again
         self._rank = trainer.global_rank
         self._catcher = ModelIOCatcher(pl_module, None)
@@ -174,25 +190,38 @@ class ActivationMonitor(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
+        step = self._began = trainer.global_step
         if self._step >= 0 and step != self._step:
             self._finish(trainer, pl_module)  # a step left unfinished (an epoch's end)
         if self._first is None:
             self._first = step  # 0, or the step a checkpoint resumes at
-        if not (self.watches(step) or step == self._first) or self._catcher is None:
+        if not (self.watches(step, self._span) or step == self._first) or self._catcher is None:
             return
         rows = real_tokens(batch, "ActivationMonitor") if self.tokens else None
-        self._transform = _Statistics(rows, self.histograms)
+        self._batch_indices = [] if self.indices is None else [int(i) for i in self.indices(batch)]
+        samples = len(self._batch_indices) if self.indices is not None else None
+        self._transform = _Statistics(rows, self.histograms, samples)
         self._session = self._catcher.from_spec(self.spec, transform=self._transform)
         self._session.open()
+        if self._step < 0:  # the step's first batch (not a later micro-batch of it)
+            first = step == self._first and not self.watches(step, self._span)
+            self._named = step if first else step - step % -self.every_n_steps  # next k*N
         self._step = step
-        if self.indices is not None:
-            self._batch_indices += [int(i) for i in self.indices(batch)]
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:  # fmt: skip
+        if trainer.global_step > self._began:  # manual optimization: maybe several a batch
+            self._span = trainer.global_step - self._began
+        if self._session is None:  # not watched, or finished before its optimizer step
+            return
+        self._fold()
+        if trainer.global_step != self._step:  # the optimizer stepped: the step is whole
+            self._finish(trainer, pl_module)
+
+    def _fold(self) -> None:
+        """Add the statistics of the batch just run (its forward and backward) to the step's."""
         session, self._session = self._session, None
         if session is None:
             return
@@ -212,8 +241,9 @@ class ActivationMonitor(pl.Callback):
             )
         if transform is not None:
             self._order += [place for place in transform.order if place not in self._order]
-        if trainer.global_step != self._step:  # the optimizer stepped: the step is whole
-            self._finish(trainer, pl_module)
+            if self.indices is not None:
+                self._samples.append((self._batch_indices, transform.bad_rows))
+        self._batch_indices = []
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
@@ -224,10 +254,11 @@ class ActivationMonitor(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        if self._step >= 0 and self._scaled:  # before the scaler's step and update
-            scale = self._loss_scale(trainer, torch.ones(1, device=pl_module.device))
-            if scale is not None:
-                self._scales.append(scale)
+        if self._step >= 0 and self._scaled:  # after the scaler's unscale_, before its step
+            self._overflows += _nonfinite_gradients(optimizer)
+        if self._session is not None and pl_module.automatic_optimization:
+            self._fold()  # the step's last batch: its backward has run, the update has not
+            self._finish(trainer, pl_module)  # so a raise leaves the model as it was
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._step >= 0:
@@ -251,15 +282,11 @@ class ActivationMonitor(pl.Callback):
         self._scaled = True
         return scaler.scale(torch.ones(1, dtype=torch.float64, device=loss.device))
 
-    def _skipped(self, trainer: pl.Trainer) -> bool:
-        """Whether the GradScaler skipped an optimizer step of the watched step: it lowers
-        its scale after a step whose gradients (any, watched or not) were not finite."""
-        scales, self._scales = self._scales, []
-        now = self._loss_scale(trainer, scales[0]) if scales else None
-        if now is None:
-            return False
-        after = [*scales[1:], now]  # each step's scale is the next one's before
-        return any(bool(a < b) for a, b in zip(after, scales, strict=True))
+    def _skipped(self) -> bool:
+        """Whether the GradScaler skips an optimizer step of the watched step: it does when
+        a gradient it steps on (any, watched or not) is not finite after its ``unscale_``."""
+        overflows, self._overflows = self._overflows, []
+        return bool(torch.stack([o.cpu() for o in overflows]).any()) if overflows else False
 
     def _head(self) -> int:
         """The length of a statistics vector before its per-unit part (with a histogram:
@@ -269,18 +296,19 @@ class ActivationMonitor(pl.Callback):
     def _forget(self) -> None:
         """Drop a step's statistics not logged yet (a fit stopped in the middle of it)."""
         self._step, self._vectors, self._order, self._batch_indices = -1, {}, [], []
-        self._scaled, self._scales = False, []
+        self._samples, self._named = [], -1
+        self._scaled, self._overflows = False, []
         self._session, self._transform = None, None
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Gather the step's statistics from every process (one collective, in the layout
         the processes agreed on), log them, and trace a non-finite value to its first place."""
-        step, self._step = self._step, -1
+        step, self._step, self._named = self._named, -1, -1
         vectors, self._vectors = self._vectors, {}
         order, self._order = self._order, []
-        indices, self._batch_indices = self._batch_indices, []
+        samples, self._samples = self._samples, []
         scaled, self._scaled = self._scaled, False
-        skipped = scaled and self._skipped(trainer)
+        skipped = scaled and self._skipped()
         strategy = trainer.strategy
         several = trainer.world_size > 1
         if self._layout.widths is None or not several:  # alone: nothing to agree on
@@ -323,7 +351,7 @@ class ActivationMonitor(pl.Callback):
         if self.histograms:
             log_histograms(trainer, self.prefix, figures, step)
         if bad and not overflow:
-            self._trace_nonfinite(step, figures, bad, order, indices, parts)
+            self._trace_nonfinite(step, figures, bad, order, samples, parts)
 
     def _trace_nonfinite(
         self,
@@ -331,19 +359,19 @@ class ActivationMonitor(pl.Callback):
         figures: dict[str, HealthFigures],
         bad: list[str],
         order: list[str],
-        indices: list[int],
+        samples: list[tuple[list[int], dict[str, torch.Tensor | None]]],
         parts: dict[str, torch.Tensor],
     ) -> None:
         forward = [prefix for prefix in order if "/grad_" not in prefix]
         backward = [prefix for prefix in order if "/grad_" in prefix]  # as they arrived
-        first = next(
+        where, first = next(
             (
-                key
+                (prefix, key)
                 for prefix in [*forward, *backward]
                 for key in bad
                 if key == prefix or key.startswith(prefix + "/")
             ),
-            bad[0],
+            (None, bad[0]),
         )
         per_rank = parts[first][:, 6:8].sum(1)  # NaN and inf of each process
         ranks = [self._counted[row] for row, count in enumerate(per_rank.tolist()) if count]
@@ -353,11 +381,41 @@ class ActivationMonitor(pl.Callback):
             f"forward and backward is in {first!r} ({found.nan} NaN, {found.inf} inf; "
             f"process {', '.join(map(str, ranks))})"
         )
-        mine = indices if self._rank in ranks else []
+        mine = _offending(samples, where) if self._rank in ranks else []
         self.nonfinite.append({"step": step, "key": first, "ranks": ranks, "indices": mine or None})
         if self.on_nonfinite == "raise":
             raise NonFiniteError(message)
         rank_zero_warn(message)
+
+
+def _positive_int(value: Any) -> bool:
+    """Whether ``value`` is a positive ``int`` (not a ``bool``, which ``int`` admits)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _nonfinite_gradients(optimizer: Any) -> list[torch.Tensor]:
+    """Whether a gradient of ``optimizer``'s parameters is not finite: a bool on the device
+    (no host sync), none without gradients."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    found = [torch.isfinite(g).all() for g in grads if g is not None]
+    if not found:
+        return []
+    return [~torch.stack([f.to(found[0].device) for f in found]).all()]
+
+
+def _offending(
+    samples: list[tuple[list[int], dict[str, torch.Tensor | None]]], where: str | None
+) -> list[int]:
+    """The dataset indices of the samples whose rows of ``where`` (a key's prefix) were not
+    finite; a batch's every index where its rows cannot be told apart (or none did)."""
+    found: list[int] = []
+    for indices, bad_rows in samples:
+        if where is None or where not in bad_rows:
+            continue  # not captured in this batch
+        flags = bad_rows[where]
+        rows = [True] * len(indices) if flags is None else flags.tolist()
+        found += [index for index, bad in zip(indices, rows, strict=True) if bad]
+    return found or [index for indices, _ in samples for index in indices]
 
 
 def _check_loss_scaling(trainer: pl.Trainer, spec: CaptureSpec) -> None:

@@ -220,7 +220,8 @@ def _combined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class HealthFigures:
     """What a statistics vector says: mean, RMS, max ``|x|`` and kurtosis of the finite
-    values, the fraction of units zero on every row, and the NaN and ±inf counts."""
+    values, the fraction of units zero (or not finite) on every row (1.0 when no value is
+    finite; NaN when there is no row, or no per-unit part), and the NaN and ±inf counts."""
 
     count: int
     mean: float
@@ -242,12 +243,14 @@ class HealthFigures:
         bins = len(EDGES) + 1 if histogram else 0
         counts, units = tuple(values[HEAD : HEAD + bins]), values[HEAD + bins :]
         abs_sum = units.pop(0) if histogram else math.nan  # the histogram's last entry
+        # non-finite values count as zeros: a unit with none finite is dead (no rows: NaN)
+        seen = bool(units) and bool(count or nan or inf)
+        dead = sum(1 for unit in units if unit == 0) / len(units) if seen else math.nan
         if not count:
             none = math.nan
-            return cls(0, none, none, none, none, none, int(nan), int(inf), counts)
+            return cls(0, none, none, none, none, dead, int(nan), int(inf), counts)
         variance = m2 / count
         kurtosis = (m4 / count) / variance**2 if variance > 0 else math.nan
-        dead = sum(1 for unit in units if unit == 0) / len(units) if units else math.nan
         rms = math.sqrt(variance + mean * mean)
         sums = (mean * count, (variance + mean * mean) * count)
         return cls(

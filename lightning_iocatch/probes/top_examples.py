@@ -11,8 +11,9 @@ has value ``-inf`` and index -1; NaN and ``-inf`` activations never fill a slot,
 with ``above``, values at or below it. A row seen twice (the same index and position,
 e.g. padding a sampler repeats) fills one slot.
 
-Each batch costs one pass over its values (those at or above each unit's last slot, or
-``above``) and a sort of the values found; once the slots are full few are.
+Each batch costs a pass over its values and a sort of the values found: per unit those at
+or above its last slot, or, while its slots are not all filled, at or above the batch's own
+``k``-th best above ``above``: at most ``k`` per unit and batch (and their ties).
 
 Examples:
     >>> rows = Rows(torch.tensor([[1.0], [3.0], [3.0]]), torch.tensor([7, 5, 9]), torch.tensor([-1, -1, -1]))
@@ -33,6 +34,7 @@ from lightning_iocatch.probes.unit_density import lowest_above
 __all__ = ["Rows", "Top", "empty_top", "merge_tops", "update_top"]
 
 _EMPTY = float("-inf")
+_CHUNK = 1 << 22  # values looked at a time for a batch's k-th best: bounds its memory
 
 
 class Rows(NamedTuple):
@@ -65,7 +67,7 @@ class Top(NamedTuple):
 
 def empty_top(units: int, k: int, width: int, device: torch.device | None = None) -> Top:
     """``units`` units of ``k`` empty slots with windows of ``width`` tokens each side."""
-    span = 2 * width + 1 if width else 0
+    span = 2 * width + 1  # with width 0: the example's own token
     return Top(
         torch.full((units, k), _EMPTY, dtype=torch.float64, device=device),
         torch.full((units, k), -1, dtype=torch.int64, device=device),
@@ -118,18 +120,40 @@ def update_top(top: Top, rows: Rows, above: float | None = None) -> Top:
 def _lowest(top: Top, values: Tensor, above: float | None, k: int, again: Tensor | None) -> Tensor:
     """Per unit, in ``values``' dtype, the lowest value of this batch that may still
     fill a slot: the last slot's value (a tie may win on its index), or the next value
-    above ``above``; where neither binds, the batch's own ``k``-th best (of its rows
-    not seen before in it)."""
+    above ``above``; for a unit whose slots are not all filled, also the batch's own
+    ``k``-th best above ``above`` (of its rows not seen before in it): ``k`` rows of the
+    batch at or above it fill the slots first, so at most ``k`` (and ties) per unit are
+    candidates, whatever the batch."""
     lowest = top.values[:, -1].to(values.dtype, copy=True)
-    if above is not None:
-        lowest = lowest.clamp(min=lowest_above(above, values.dtype))
-    blind = lowest == _EMPTY
-    if bool(blind.any()):
-        part = values[:, blind].nan_to_num(nan=_EMPTY, posinf=float("inf"), neginf=_EMPTY)
-        if again is not None:
-            part[again] = _EMPTY
-        lowest[blind] = part.topk(min(k, part.shape[0]), dim=0).values[-1]
+    floor = None if above is None else lowest_above(above, values.dtype)
+    if floor is not None:
+        lowest = lowest.clamp(min=floor)
+    unfilled = (top.values[:, -1] == _EMPTY).nonzero().squeeze(1)
+    if unfilled.numel():
+        lowest[unfilled] = lowest[unfilled].maximum(_kth_best(values, unfilled, floor, k, again))
     return lowest
+
+
+def _kth_best(
+    values: Tensor, units: Tensor, floor: Tensor | None, k: int, again: Tensor | None
+) -> Tensor:
+    """Per unit of ``units``, the ``k``-th best value of the batch at or above ``floor``
+    (NaN, ``-inf`` and rows ``again`` left out), ``-inf`` where fewer: found a chunk of rows
+    at a time, keeping each unit's ``k`` best so far, so it needs about a chunk's memory."""
+    rows = values.shape[0]
+    if rows < k:
+        return torch.full((units.numel(),), _EMPTY, dtype=values.dtype, device=values.device)
+    step = max(k, _CHUNK // units.numel())  # each part has at least k rows
+    best = values.new_empty((0, units.numel()))
+    for start in range(0, rows, step):
+        part = values[start : start + step].index_select(1, units)  # a copy: changed below
+        part.nan_to_num_(nan=_EMPTY, posinf=float("inf"), neginf=_EMPTY)
+        if floor is not None:
+            part.masked_fill_(part < floor, _EMPTY)
+        if again is not None:
+            part.masked_fill_(again[start : start + step, None], _EMPTY)
+        best = torch.cat([best, part]).topk(k, dim=0, sorted=False).values
+    return best.amin(0)
 
 
 def _seen_before(ordered: _Ordered) -> Tensor | None:

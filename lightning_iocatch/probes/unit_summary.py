@@ -86,15 +86,19 @@ class UnitSummary:
     def __post_init__(self) -> None:
         self.reshape()
 
-    def reshape(self) -> UnitSummary:
+    def reshape(self, shape: tuple[int, int, int] | None = None) -> UnitSummary:
         """Give each tensor its documented shape again, in place (torchmetrics squeezes the
-        one-element tensors a ``compute()`` returns: those of one unit)."""
-        units, slots = self.context_ids.shape[:2]
+        one-element tensors a ``compute()`` returns: those of one unit, and with ``k=1``
+        and ``window=0`` its context too): ``shape`` is ``(units, k, 2 * window + 1)``,
+        by default :attr:`context_ids`' own."""
+        units, slots, span = self.context_ids.shape if shape is None else shape
         self.active, self.active_sum = self.active.reshape(units), self.active_sum.reshape(units)
         bins = self.histogram.numel() // units if units else self.histogram.shape[-1]
         self.histogram = self.histogram.reshape(units, bins)
         for name in ("top_values", "top_index", "top_position"):
             setattr(self, name, getattr(self, name).reshape(units, slots))
+        for name in ("context_ids", "context_values"):
+            setattr(self, name, getattr(self, name).reshape(units, slots, span))
         return self
 
     @property
@@ -217,8 +221,9 @@ class UnitSummary:
                 raise KeyError("format")
         except (KeyError, json.JSONDecodeError):
             raise ValueError(
-                f"{os.fspath(path)!r} is not a unit summary ({FORMAT}): write one with "
-                "UnitSummary.save or `lightning-iocatch units`"
+                f"{os.fspath(path)!r} is not a unit summary ({FORMAT}): make one with a "
+                "UnitActivations probe (summarize_store(store, key, probe) over a dump, or "
+                "capture.probes.summaries[key] after validation) and save it with .save(path)"
             ) from None
         tensors = load_file(os.fspath(path))
         low, high = settings["log10_range"]

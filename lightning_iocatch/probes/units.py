@@ -63,8 +63,9 @@ class UnitActivations(_ProbeMetric):
         of: a module or function applied to the values first (under ``torch.no_grad``),
             keeping their leading dimensions: e.g. a sparse autoencoder's encoder, to
             follow its latents. A module moves with the probe (``.to(device)``) and gets
-            the values in its parameters' dtype (bfloat16 captures of a ``bf16-mixed`` run
-            into a float32 encoder).
+            the values on its parameters' device and in their dtype (bfloat16 captures of
+            a ``bf16-mixed`` run into a float32 encoder; a dump's rows into an encoder on a
+            GPU, where the probe then counts).
         name: the probe's name in logged names and ``capture.probes.summaries``
             (``{key}/{name}``): give two such probes of one value different names.
 
@@ -153,13 +154,19 @@ class UnitActivations(_ProbeMetric):
         """
         if not isinstance(features, Tensor) or not features.is_floating_point():
             raise ValueError(f"UnitActivations takes floating tensors, got {features!r:.80}")
+        if features.dim() == 0:
+            raise ValueError(
+                f"UnitActivations takes values of shape (rows, units), (rows,) or (batch, seq, "
+                f"...), got a 0-d tensor {features!r:.40}: give a row per sample or token"
+            )
         values = features.detach()
         if self.of is not None:
             with torch.no_grad():
                 holder = getattr(self, "of_module", self.of)
-                values = self.of(values.to(_dtype_of(holder, values.dtype)))
+                values = self.of(values.to(*_placement_of(holder, values)))
             if (
                 not isinstance(values, Tensor)
+                or values.dim() == 0
                 or values.shape[: features.dim() - 1] != features.shape[:-1]
             ):
                 shown = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
@@ -289,7 +296,10 @@ class UnitActivations(_ProbeMetric):
         @functools.wraps(wrapped)
         def shaped(*args: Any, **kwargs: Any) -> Any:
             summary = wrapped(*args, **kwargs)  # squeezed by torchmetrics where one unit
-            return summary.reshape() if isinstance(summary, UnitSummary) else summary
+            if not isinstance(summary, UnitSummary):
+                return summary
+            units = summary.histogram.numel() // self.bins  # (units, bins), bins >= 1
+            return summary.reshape((units, self.k, 2 * self.window + 1))
 
         return shaped
 
@@ -350,13 +360,14 @@ def _has_padding_mask(batch: Any, mask: Tensor) -> bool:
     return isinstance(found, Tensor) and tuple(found.shape) == tuple(mask.shape)
 
 
-def _dtype_of(of: Any, default: torch.dtype) -> torch.dtype:
-    """The dtype of a module's first floating parameter; ``default`` for a function."""
+def _placement_of(of: Any, values: Tensor) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of a module's first floating parameter (an encoder on a GPU
+    gets the rows there, in its dtype); the values' own for a function."""
     if isinstance(of, torch.nn.Module):
         for parameter in of.parameters():
             if parameter.is_floating_point():
-                return parameter.dtype
-    return default
+                return parameter.device, parameter.dtype
+    return values.device, values.dtype
 
 
 def _per_row(given: Tensor | None, rows: int, device: torch.device, default: int = -1) -> Tensor:

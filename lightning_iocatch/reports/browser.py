@@ -214,7 +214,7 @@ def _table(summary: UnitSummary, decode: _Decode) -> dict[str, Any]:
     k, w = summary.k, summary.window
     best = summary.top_values[:, 0] if k else torch.full((summary.units,), math.nan)
     top_ids = torch.full((summary.units,), -1)
-    if k and summary.context_ids.shape[2]:  # no ids at all with window=0
+    if k and summary.context_ids.shape[2]:  # none in a file of an older version, window=0
         top_ids = torch.where(summary.top_index[:, 0] >= 0, summary.context_ids[:, 0, w], -1)
     top: list[str | None]
     if decode is not None:

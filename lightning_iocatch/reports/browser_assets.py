@@ -67,7 +67,8 @@ function shown(text) {  // a token's text with its spaces and line breaks visibl
 function tickLabel(x) { return x === 0 ? "1" : "1e" + x; }
 // bars(counts, edges (log10), title of one bar, marker (log10) or null): an inline SVG
 function bars(counts, edges, what, marker) {
-  var NS = "http://www.w3.org/2000/svg", W = 560, H = 170, L = 44, R = 10, TOP = 10, B = 26;
+  // R: room for half the last tick's label ("1e3") right of the axis' end
+  var NS = "http://www.w3.org/2000/svg", W = 560, H = 170, L = 44, R = 16, TOP = 10, B = 26;
   var svg = document.createElementNS(NS, "svg");
   svg.setAttribute("width", W); svg.setAttribute("height", H);
   svg.setAttribute("viewBox", "0 0 " + W + " " + H);
@@ -100,7 +101,8 @@ function bars(counts, edges, what, marker) {
   if (marker !== null && marker !== undefined && isFinite(marker)) {
     var m = x(Math.min(hi, Math.max(lo, marker)));
     add("line", {x1: m, x2: m, y1: TOP, y2: H - B, stroke: "#d33", "stroke-width": 2});
-    var left = m > W - 70;
+    // the label on the side of the line with more room: inside whatever its font's width
+    var left = m > (L + W - R) / 2;
     add("text", {x: left ? m - 3 : m + 3, y: TOP + 8, "text-anchor": left ? "end" : "start",
       style: "fill:#d33;paint-order:stroke;stroke:#fff;stroke-width:3px"}, "this unit");
   }

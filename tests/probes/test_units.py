@@ -198,11 +198,17 @@ def test_summary_survives_save_and_load(tmp_path: Path) -> None:
 
 def test_an_encoder_gives_the_units() -> None:
     encoder = torch.nn.Linear(3, 5)
-    values = torch.randn(2, 4, 3)
+    with torch.no_grad():
+        encoder.bias.fill_(0.5)
+    tokens = torch.randn(1, 4, 3)
+    # each token and its negative: one of W x + b and -W x + b is at least b > 0, so every
+    # unit has a value above `above=0` to fill its slot, whatever the random numbers
+    values = torch.cat([tokens, -tokens])
     probe = UnitActivations(k=1, window=0, of=encoder)
     probe.update(values, indices=[0, 1])
     with torch.no_grad():
         expected = encoder(values).reshape(8, 5).amax(0).double()
+    assert bool((expected >= 0.5).all())  # the premise
     assert torch.equal(probe.compute().top_values[:, 0], expected)
     # bfloat16 captures (bf16-mixed) go into a float32 encoder as float32
     halves = UnitActivations(k=1, window=0, of=encoder)
@@ -237,6 +243,7 @@ def test_one_unit_keeps_its_shapes(tmp_path: Path) -> None:
         probe.update(torch.tensor([[0.5], [2.0], [0.0]]), indices=[0, 1, 2])
         summary = probe.compute()
         assert summary.active.shape == (1,) and summary.top_values.shape == (1, k)
+        assert summary.context_ids.shape == summary.context_values.shape == (1, k, 1)
         assert summary.scalars()["dead_frac"] == 0.0 and summary.examples(0)[0]["index"] == 1
         summary.save(tmp_path / "one.safetensors")
         assert UnitSummary.load(tmp_path / "one.safetensors").top_index.shape == (1, k)
@@ -313,3 +320,71 @@ def test_a_method_of_a_module_moves_with_the_probe() -> None:
     assert copy.of.__self__ is copy.of_module and copy.of_module is not encoder
     copy.update(torch.ones(2, 3), indices=[0, 1])  # float32 values into a float64 encoder
     assert copy.compute().top_values.dtype == torch.float64
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_a_large_batch_gives_each_unfilled_unit_at_most_k_candidates(
+    monkeypatch: pytest.MonkeyPatch, ties: bool
+) -> None:
+    """With ``above=0`` a unit whose slots are not yet full is bounded by the batch's own
+    k-th best value above 0, not by 0 itself: candidates (and memory) stay ``k`` a unit
+    whatever the batch, and the examples are those of a lexsort of every row."""
+    from lightning_iocatch.probes import top_examples
+
+    candidates: list[int] = []
+    best_pairs = top_examples._best_pairs
+
+    def counted(
+        rank: torch.Tensor, unit: torch.Tensor, value: torch.Tensor, units: int, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        candidates.append(value.numel())
+        return best_pairs(rank, unit, value, units, k)
+
+    monkeypatch.setattr(top_examples, "_best_pairs", counted)
+    rows, units, k = 20_000, 16, 5
+    generator = torch.Generator().manual_seed(5)
+    # distinct values, about half of them above 0 (GELU), or many ties (rounded)
+    values = torch.nn.functional.gelu(torch.randperm(rows * units, generator=generator) / 1e4 - 8)
+    values = values.reshape(rows, units)
+    if ties:
+        values = values.mul(4).round() / 4
+    index, position = torch.arange(rows) // 10, torch.arange(rows) % 10
+    top = empty_top(units, k, width=0)
+    top = update_top(top, Rows(values[:3], index[:3], position[:3]), above=0.0)  # partly filled
+    top = update_top(top, Rows(values[3:], index[3:], position[3:]), above=0.0)
+    assert (values > 0).sum() > 10 * units * k  # the premise: many positive values
+    if not ties:  # ties at the k-th value are candidates too
+        assert candidates[-1] <= units * k
+        expected = values.topk(k, dim=0)
+        assert torch.equal(top.values, expected.values.T.double())
+        assert torch.equal(top.indices * 10 + top.positions, expected.indices.T)
+    truth = numpy_top(values.numpy(), index.numpy(), position.numpy(), k, above=0.0)
+    np.testing.assert_array_equal(top.values.numpy(), truth[0])
+    np.testing.assert_array_equal(top.indices.numpy(), truth[1])
+    np.testing.assert_array_equal(top.positions.numpy(), truth[2])
+
+
+def test_a_0d_tensor_is_refused_naming_the_shapes_taken() -> None:
+    with pytest.raises(ValueError, match=r"shape \(rows, units\), \(rows,\) or .*got a 0-d"):
+        UnitActivations(k=1).update(torch.tensor(2.0), indices=[0])
+    with pytest.raises(ValueError, match=r"must keep the leading dimensions .*got \(\)"):
+        UnitActivations(k=1, of=lambda x: x.sum()).update(torch.ones(3), indices=[0, 1, 2])
+
+
+def test_window_0_keeps_the_examples_own_token() -> None:
+    """``context_ids`` and ``context_values`` are ``(units, k, 2 * window + 1)``: with
+    ``window=0`` the example's own token id and the unit's value on it."""
+    hidden = torch.tensor([[[1.0, 0.5], [3.0, 0.0], [2.0, 4.0]]])  # (batch, seq, units)
+    probe = UnitActivations(k=2, window=0)
+    probe.update(hidden, indices=[7], token_ids=torch.tensor([[11, 12, 13]]))
+    summary = probe.compute()
+    assert summary.context_ids.shape == (2, 2, 1) and summary.window == 0
+    assert summary.context_ids[:, :, 0].tolist() == [[12, 13], [13, 11]]
+    assert summary.context_values[:, :, 0].tolist() == summary.top_values.tolist()
+    assert summary.context_values.dtype == torch.float32
+    rows = UnitActivations(k=3, window=0)  # rows without token ids: -1, and the value
+    rows.update(torch.tensor([[2.0], [1.0]]), indices=[4, 5])
+    found = rows.compute()
+    assert found.context_ids.tolist() == [[[-1], [-1], [-1]]]
+    assert found.context_values[0, :2, 0].tolist() == [2.0, 1.0]
+    assert math.isnan(found.context_values[0, 2, 0])  # an empty slot

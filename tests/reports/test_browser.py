@@ -151,7 +151,7 @@ def test_it_opens_from_disk_in_chunks_with_ids_when_no_tokenizer(
     assert names == ["table.js", "units-00000.js", "units-00001.js", "units-00002.js"]
     number, chunk = script_data(tmp_path / "old" / "data" / "units-00002.js", "iocChunk")
     assert number == ["2"] and chunk["start"] == 512 and chunk["tokens"] == {}
-    assert chunk["units"][599 - 512]["examples"] == [[600.0, 3, 4, [], []]]  # window 0
+    assert chunk["units"][599 - 512]["examples"] == [[600.0, 3, 4, [-1], [600.0]]]  # window 0
     _, table = script_data(tmp_path / "old" / "data" / "table.js", "iocTable")
     assert table["max"][-1] == 600.0 and table["top"][-1] is None
     write_browser(summary, tmp_path / "ids")  # no tokenizer: ids
@@ -191,7 +191,11 @@ def test_browse_command_end_to_end(
     [
         (None, [], "no unit summary file at .*missing.safetensors"),
         ("text", [], "is not a unit summary \\(not a safetensors file"),
-        ("other", [], "is not a unit summary \\(lightning-iocatch-units/1\\)"),
+        (
+            "other",
+            [],
+            "is not a unit summary \\(lightning-iocatch-units/1\\): make one .*summarize_store",
+        ),
         ("summary", ["--tokenizer", "./no/such/dir"], "no tokenizer directory at './no/such"),
     ],
 )
@@ -221,6 +225,11 @@ def test_browse_refuses_bad_input_in_one_line(
         and re.search(message, err)
     ), err
     assert not (tmp_path / "missing_browser").exists()
+    for command in re.findall(r"lightning-iocatch (\w+)", err):  # advice names real commands
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        assert exit_.value.code == 0, f"the advice names `lightning-iocatch {command}`"
+    capsys.readouterr()
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (apt install)")
@@ -283,3 +292,51 @@ def test_chromium_reads_infinities_and_bad_unit_numbers(tmp_path: Path) -> None:
         page = "index.html" if "sort" in bad else "unit.html"
         dom = rendered(tmp_path / page, bad)
         assert ("no unit" in dom) if page == "unit.html" else ('href="unit.html#u=1"' in dom)
+
+
+_MEASURE = """<style>__STYLE__</style><script>
+setTimeout(function () {  // every unit drawn in turn; each SVG text outside its figure
+  var out = [];
+  for (var u = 0; u < T.units; u++) {
+    location.hash = "#u=" + u; show();
+    var svgs = document.querySelectorAll("svg");
+    for (var i = 0; i < svgs.length; i++) {
+      var width = svgs[i].viewBox.baseVal.width, texts = svgs[i].querySelectorAll("text");
+      for (var j = 0; j < texts.length; j++) {
+        var box = texts[j].getBBox();
+        if (box.x < 0 || box.x + box.width > width) out.push([u, texts[j].textContent]);
+      }
+    }
+  }
+  var pre = document.createElement("pre"); pre.id = "outside";
+  pre.textContent = JSON.stringify(out); document.body.appendChild(pre);
+}, 300);
+</script></body>"""
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (apt install)")
+@pytest.mark.parametrize("font", [None, "18px"])
+def test_chromium_keeps_every_label_inside_its_figure(tmp_path: Path, font: str | None) -> None:
+    """Units of densities from 0.01 to 1 (the "this unit" mark anywhere along the axis),
+    each drawn and every SVG text measured. With a larger font (a system font wider than
+    DejaVu Sans, a reader's minimum font size) the "this unit" label still fits: its side
+    of the line must not depend on its width."""
+    rows = 400
+    counts = [*range(4, rows + 1, 4)]
+    values = torch.zeros(rows, len(counts))
+    for unit, count in enumerate(counts):
+        values[:count, unit] = 1.0
+    probe = UnitActivations(k=1, window=0)
+    probe.update(values, indices=list(range(rows)))
+    write_browser(probe.compute(), tmp_path)
+    style = "" if font is None else f"svg text{{font-size:{font}}}"
+    page = (tmp_path / "unit.html").read_text(encoding="utf-8")
+    measured = page.replace("</body>", _MEASURE.replace("__STYLE__", style))
+    (tmp_path / "measured.html").write_text(measured, encoding="utf-8")
+    dom = rendered(tmp_path / "measured.html", "")
+    found = re.search(r'<pre id="outside">(.*?)</pre>', dom)
+    assert found, dom[-2000:]
+    outside = json.loads(found.group(1))
+    if font is not None:  # larger tick labels may reach the edge: the mark's label may not
+        outside = [item for item in outside if item[1] == "this unit"]
+    assert outside == [], [(counts[unit] / rows, text) for unit, text in outside[:5]]

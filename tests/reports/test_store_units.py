@@ -9,6 +9,7 @@ Ground truth: the stored rows read whole (``FeatureStore.rows``) and a NumPy lex
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -123,3 +124,44 @@ def test_a_key_of_whole_padded_sequences_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match=r"holds whole sequences \(5, 3\) a row.*TokenRows"):
         summarize_store(tmp_path, KEY)
+
+
+class Recording(torch.nn.Module):
+    """An identity encoder in float64 that records the device and dtype of its inputs; on
+    the ``meta`` device (a stand-in for a GPU: the rows must move there) it gives zeros."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones((), dtype=torch.float64, device=device))
+        self.seen: list[tuple[torch.device, torch.dtype]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((x.device, x.dtype))
+        return torch.zeros(x.shape, dtype=torch.float64) if x.is_meta else x * self.weight
+
+
+def test_an_encoder_gets_the_rows_on_its_device_in_its_dtype(tmp_path: Path) -> None:
+    write_store(tmp_path, batch_size=7)
+    plain = summarize_store(tmp_path, KEY, UnitActivations(k=5, window=3))
+    on_cpu = Recording("cpu")
+    encoded = summarize_store(tmp_path, KEY, UnitActivations(k=5, window=3, of=on_cpu))
+    assert set(on_cpu.seen) == {(torch.device("cpu"), torch.float64)}
+    same(encoded, plain)  # an identity: the same examples (the stored values are quarters)
+    elsewhere = Recording("meta")
+    zeros = summarize_store(tmp_path, KEY, UnitActivations(k=5, window=3, of=elsewhere))
+    assert set(elsewhere.seen) == {(torch.device("meta"), torch.float64)}
+    assert zeros.rows == plain.rows and int(zeros.active.sum()) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_encoder_on_a_gpu_summarizes_a_dump_there(tmp_path: Path) -> None:
+    write_store(tmp_path, batch_size=7)
+    encoder = torch.nn.Linear(UNITS, 4, dtype=torch.float64)
+    on_cpu = summarize_store(tmp_path, KEY, UnitActivations(k=5, window=3, of=encoder))
+    on_gpu = summarize_store(
+        tmp_path, KEY, UnitActivations(k=5, window=3, of=copy.deepcopy(encoder).cuda())
+    )
+    assert on_gpu.top_index.is_cuda
+    for name in ("top_index", "top_position", "context_ids", "active"):
+        assert torch.equal(getattr(on_gpu, name).cpu(), getattr(on_cpu, name))
+    torch.testing.assert_close(on_gpu.top_values.cpu(), on_cpu.top_values, equal_nan=True)

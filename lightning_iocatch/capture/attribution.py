@@ -55,6 +55,7 @@ from torch import nn
 from lightning_iocatch.capture.catcher import ModelIOCatcher
 from lightning_iocatch.capture.edits import Patch
 from lightning_iocatch.capture.gradients import recording_gradients
+from lightning_iocatch.capture.snapshots import _keep, _map
 from lightning_iocatch.capture.spec import CaptureSpec, resolve_names
 from lightning_iocatch.capture.transform import Kind
 
@@ -100,10 +101,16 @@ class Component:
             tensors = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
             found = args[0] if args else (tensors[0] if tensors else None)
         if not isinstance(found, torch.Tensor) or not found.is_floating_point():
-            raise TypeError(
-                f"{self.key}: the value patched is the output's first tensor (the first "
-                f"input), which here is {type(found).__name__}: name a module whose "
-                f"{self.kind} is a floating tensor"
+            what = "first tensor output" if self.kind == "outputs" else "first input"
+            here = (
+                f"a {str(found.dtype).removeprefix('torch.')} tensor (token ids?)"
+                if isinstance(found, torch.Tensor)
+                else type(found).__name__
+            )
+            raise ValueError(  # not a TypeError: nothing is wrong with how the model is called
+                f"{self.key}: the value patched is the module's {what}, which here is "
+                f"{here}, not a floating tensor: it has no gradient to score; name a module "
+                f"whose {self.kind} is a floating tensor (for an embedding: its outputs)"
             )
         return found
 
@@ -189,6 +196,7 @@ def attribution_patching(
     position, for each of ``conventions`` (see the module's docstring): one forward of
     each run, and one backward of each run whose gradient a convention needs."""
     wanted = _conventions(conventions)
+    _check_pair(clean, corrupted)
     places = list(spec) if isinstance(spec, Sequence) and not isinstance(spec, str) else None
     found = places if places is not None else components(model, spec, heads)  # type: ignore[arg-type]
     needs = {"clean": "noising" in wanted, "corrupted": "denoising" in wanted}
@@ -201,6 +209,8 @@ def attribution_patching(
             values[which], grads[which], metric[which] = _pass(
                 catcher, found, run, batch, needs[which]
             )
+    for component in found:
+        _check_value_shapes(component.key, values["clean"], values["corrupted"])
     scores: dict[str, dict[str, torch.Tensor]] = {}
     for convention in wanted:
         base, source = RUNS[convention]
@@ -227,6 +237,7 @@ def exact_patching(
     ``M(clean, with its corrupted value) - M(clean)``. ``positions``: a boolean mask over
     the value's leading dimensions (``[batch, seq]``) restricting the patch."""
     (convention,) = _conventions(convention)
+    _check_pair(clean, corrupted)
     place = component if isinstance(component, Component) else _component(component)
     base, source = (corrupted, clean) if convention == "denoising" else (clean, corrupted)
     catcher = ModelIOCatcher(model, None)
@@ -277,6 +288,66 @@ def _pass(
         for c in found:
             grads[c.key] = _one_call(captured, c, f"grad_{c.kind}")
     return values, grads, metric.detach()
+
+
+def _check_pair(clean: Any, corrupted: Any) -> None:
+    """Refuse a clean and a corrupted batch whose tensors differ in shape (or in where
+    they are): each component is compared position by position in the two runs, and a
+    batch of one row would be broadcast against the other's rows without a word.
+
+    Examples:
+        >>> _check_pair({"ids": torch.zeros(2, 5)}, {"ids": torch.ones(2, 5)})
+        >>> try:
+        ...     _check_pair({"ids": torch.zeros(2, 5)}, {"ids": torch.ones(1, 5)})
+        ... except ValueError as error:
+        ...     print(str(error).split(". ")[0])
+        the clean and corrupted batches differ in shape (ids: clean (2, 5), corrupted (1, 5))
+    """
+    shapes = {"clean": _shapes(clean), "corrupted": _shapes(corrupted)}
+    if shapes["clean"] == shapes["corrupted"]:
+        return
+    paths = dict.fromkeys([*shapes["clean"], *shapes["corrupted"]])
+    differ = [p for p in paths if shapes["clean"].get(p) != shapes["corrupted"].get(p)]
+    said = "; ".join(
+        f"{path.lstrip('/') or 'the batch'}: clean {_said(shapes['clean'].get(path))}, "
+        f"corrupted {_said(shapes['corrupted'].get(path))}"
+        for path in differ
+    )
+    raise ValueError(
+        f"the clean and corrupted batches differ in shape ({said}). Attribution patching "
+        "compares each component's values in the two runs sample by sample and position "
+        "by position: give a corrupted batch of the clean batch's shape (as many samples, "
+        "padded to as many tokens)"
+    )
+
+
+def _shapes(batch: Any) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in ``batch``, by its path (``"/input_ids"``)."""
+    found: dict[str, tuple[int, ...]] = {}
+
+    def keep(tensor: torch.Tensor, path: str) -> torch.Tensor:
+        found[path] = tuple(tensor.shape)
+        return tensor
+
+    _map(batch, keep, _keep, "")
+    return found
+
+
+def _said(shape: tuple[int, ...] | None) -> str:
+    return "absent" if shape is None else str(shape)
+
+
+def _check_value_shapes(
+    key: str, clean: Mapping[str, torch.Tensor], corrupted: Mapping[str, torch.Tensor]
+) -> None:
+    """Refuse a component whose values in the two runs differ in shape (broadcast, else)."""
+    ours, theirs = tuple(clean[key].shape), tuple(corrupted[key].shape)
+    if ours != theirs:
+        raise ValueError(
+            f"{key} has values of other shapes in the two runs (clean {ours}, corrupted "
+            f"{theirs}): attribution patching compares them position by position; make "
+            "`run` give both runs values of one shape"
+        )
 
 
 def _one_call(captured: Any, component: Component, kind: str) -> torch.Tensor:

@@ -54,9 +54,11 @@ from lightning_iocatch.capture.snapshots import map_tensors
 from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.lightning.batch_indices import BatchIndexer
 from lightning_iocatch.lightning.effect_terms import (
+    LossFn,
     call_forward,
     default_forward,
     default_output,
+    loss_terms,
     next_token_loss,
     ratio,
 )
@@ -66,7 +68,6 @@ from lightning_iocatch.probes.base import _gather_tensors
 __all__ = ["AttributionPatching", "corrupted_fields"]
 
 _WHICH = ("clean", "corrupted")
-LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
 def corrupted_fields(batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -229,8 +230,7 @@ class AttributionPatching(pl.Callback):
                     self.forward, pl_module, map_tensors(own, torch.clone), "AttributionPatching"
                 )
                 logits = self.output(out)
-            value = self.loss(logits, own)
-            sums, terms = value if isinstance(value, tuple) else (value, torch.ones_like(value))
+            sums, terms = loss_terms(self.loss(logits, own))
             counts[id(one)] = terms.detach().double()
             return sums
 

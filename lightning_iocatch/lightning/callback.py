@@ -21,16 +21,15 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_iocatch.capture.buffer import CaptureBuffer
-from lightning_iocatch.capture.catcher import CaptureSession, ModelIOCatcher
+from lightning_iocatch.capture.catcher import ModelIOCatcher
 from lightning_iocatch.capture.edits import Edit
 from lightning_iocatch.capture.sharded import checked_shard_layouts
-from lightning_iocatch.capture.store_patch import refuse_left_padding
 from lightning_iocatch.checks import (
     check_bool,
     check_int,
     check_optional_bool,
+    parse_capture_dtype,
     parse_device,
-    parse_dtype,
 )
 from lightning_iocatch.lightning.batch_indices import BatchIndexer
 from lightning_iocatch.lightning.callback_arguments import (
@@ -40,6 +39,7 @@ from lightning_iocatch.lightning.callback_arguments import (
     checked_stages,
     described_edits,
 )
+from lightning_iocatch.lightning.callback_batches import BatchSteps
 from lightning_iocatch.lightning.feature_writer import FeatureWriter, bind_writers, writers_tokens
 from lightning_iocatch.lightning.gradient_pass import ForwardFn, LossFn, OutputFn
 from lightning_iocatch.lightning.parallel_layout import forwards_gather_parameters
@@ -50,16 +50,12 @@ from lightning_iocatch.lightning.predict_route import (
 )
 from lightning_iocatch.lightning.probe_sink import ProbeTokens
 from lightning_iocatch.lightning.process_group_exit import destroy_gloo_group_at_exit
-from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink, MemorySink
-from lightning_iocatch.store.tokens import TokenSelection
+from lightning_iocatch.lightning.sinks import CaptureSink, MemorySink
 
 __all__ = ["IOCaptureCallback"]
 
-# (batch_idx, dataloader_idx, dataset indices, which repeat a sample) of the current batch
-_LookedUp = tuple[int, int, tuple[int, ...] | None, tuple[bool, ...] | None]
 
-
-class IOCaptureCallback(Callback):
+class IOCaptureCallback(Callback, BatchSteps):
     """Capture inputs and outputs of named submodules of the LightningModule, and gradients.
 
     Args:
@@ -165,7 +161,7 @@ class IOCaptureCallback(Callback):
         self._gradients = checked_gradient_pass(self.spec, early_exit, loss, forward, output)
         sinks, self.probes = checked_sinks(writer, probes, sinks, edits, self.stages, probe_tokens)
         self.device = parse_device("device", device)
-        self.dtype = parse_dtype("dtype", dtype)
+        self.dtype = parse_capture_dtype("dtype", dtype)
         self.early_exit = early_exit
         self.capture_sanity_check = check_bool("capture_sanity_check", capture_sanity_check)
         keep_in_memory = check_optional_bool("keep_in_memory", keep_in_memory)
@@ -173,15 +169,15 @@ class IOCaptureCallback(Callback):
         self._memory = (
             MemorySink() if keep_in_memory or (keep_in_memory is None and not sinks) else None
         )
-        self._sinks: list[CaptureSink] = [*sinks, *([self._memory] if self._memory else [])]
+        self._sinks = [*sinks, *([self._memory] if self._memory else [])]
         self._catcher: ModelIOCatcher | None = None
-        self._session: CaptureSession | None = None
-        self._stage: str | None = None
+        self._session = None
+        self._stage = None
         self._leave_route: Callable[[], None] | None = None
         self._skip_step = False
         self._forwards_gather = False  # each forward gathers parameters from every process
-        self._indexer: BatchIndexer | None = None
-        self._looked_up: _LookedUp | None = None
+        self._indexer = None
+        self._looked_up = None
         described = described_edits(edits)
         self.edits = list(edits)
         self._token_rows = writers_tokens(sinks)
@@ -358,79 +354,6 @@ class IOCaptureCallback(Callback):
             member = PredictMember(session, lambda: self._skip_step)
             join_predict_route(pl_module, member)
             self._leave_route = lambda: leave_predict_route(pl_module, member)
-
-    def _batch_start(
-        self, stage: str, trainer: pl.Trainer, batch: Any, batch_idx: int, dataloader_idx: int
-    ) -> None:
-        """Look the batch's dataset indices up, once (a BatchIndexer walks the sampler in
-        step with the loop: asked twice for a batch, it finds nothing the second time), for
-        the batch's end too; in predict, decide whether to skip the batch and select its
-        tokens; then give the edits the indices (a StorePatch reads the batch's rows)."""
-        self._skip_step, self._looked_up = False, None
-        if self._session is None or self._indexer is None or self._stage != stage:
-            return
-        indices = self._indexer(trainer, batch_idx, dataloader_idx)
-        repeated = self._indexer.repeated(batch_idx, dataloader_idx)
-        self._looked_up = (batch_idx, dataloader_idx, indices, repeated)
-        if stage == "predict":
-            self._decide_skip(trainer, dataloader_idx, indices)
-            self._select_tokens(batch)
-        if self.edits:
-            refuse_left_padding(self.edits, batch)
-            if self._gradients is None:  # else set in the pass, once its session is open
-                self._session.set_batch_indices(indices)
-        if self._gradients is not None and not self._skip_step:
-            self._gradients.keep(batch)
-
-    def _decide_skip(
-        self, trainer: pl.Trainer, dataloader_idx: int, indices: tuple[int, ...] | None
-    ) -> None:
-        """Skip a batch every sink has; where each forward gathers parameters from every
-        process (FSDP, DeepSpeed), only a batch that every process skips, or the others
-        would wait for it. (The processes of a tensor-parallel group see the same batches
-        and decide alike.)"""
-        self._skip_step = bool(self._sinks) and all(
-            sink.skip_batch("predict", dataloader_idx, indices) for sink in self._sinks
-        )
-        if self._forwards_gather:
-            self._skip_step = trainer.strategy.reduce_boolean_decision(self._skip_step, all=True)
-
-    def _select_tokens(self, batch: Any) -> None:
-        """Capture this predict batch through its token selection (a writer's ``tokens``),
-        a transform the batch's buffer carries (captures between batches are dropped)."""
-        if self._token_rows is None or self._session is None or self._stage != "predict":
-            return
-        selection = None if self._skip_step else self._token_rows.select(batch)
-        self._session.take(transform=selection)
-
-    def _batch_end(
-        self,
-        stage: str,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int,
-    ) -> None:
-        if self._session is None or self._stage != stage:
-            return
-        looked_up, self._looked_up = self._looked_up, None
-        indices, repeated = None, None  # looked up at the batch's start, never twice
-        if looked_up is not None and looked_up[:2] == (batch_idx, dataloader_idx):
-            indices, repeated = looked_up[2:]
-        if self._gradients is not None and not self._skip_step:
-            captures = self._gradients.run(self._session, trainer, pl_module, stage, indices)
-        else:
-            captures = self._session.take()
-        tokens = captures.transform  # what this batch was captured with
-        if self._skip_step:
-            return  # captured only because another callback needed the forward
-        selection = tokens if isinstance(tokens, TokenSelection) else None
-        record = BatchCaptures(
-            stage, batch_idx, dataloader_idx, captures, indices, batch, repeated, selection
-        )
-        for sink in self._sinks:
-            sink.on_batch(record)
 
     def _epoch_end(self, stage: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._stage == stage:

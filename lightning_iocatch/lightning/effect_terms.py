@@ -1,7 +1,9 @@
 """What :class:`~lightning_iocatch.lightning.effects.InterventionEffects` computes of each
 forward: the default loss (:func:`next_token_loss`), the KL divergence from the clean
-forward (:func:`kl_per_sample`), per sample in float64, and how the model is called by
-default (:func:`default_forward`, :func:`default_output`).
+forward (:func:`kl_per_sample`), per sample in float64, how a ``loss`` function's value is
+read (:func:`loss_sums`, :func:`loss_terms`: one place for the effects, the gradient pass and
+attribution patching), and how the model is called by default (:func:`default_forward`,
+:func:`default_output`).
 """
 
 from __future__ import annotations
@@ -14,15 +16,48 @@ import lightning.pytorch as pl
 import torch
 
 __all__ = [
+    "LossFn",
     "call_forward",
     "default_forward",
     "default_output",
     "kl_per_sample",
+    "loss_sums",
+    "loss_terms",
     "next_token_loss",
     "ratio",
 ]
 
 _CHUNK = 256  # positions turned into float64 [positions, vocab] at once
+
+LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+"""``loss(logits, batch)`` -> per-sample losses, or per-sample ``(sums, counts)``."""
+
+
+def loss_sums(value: Any) -> Any:
+    """The per-sample loss sums of a :data:`LossFn`'s value: the first of ``(sums, counts)``,
+    else the value itself (not checked: the caller says what it needs)."""
+    return value[0] if isinstance(value, tuple) else value
+
+
+def loss_terms(value: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A :data:`LossFn`'s value as per-sample ``(sums, counts)``: one term per sample where
+    it gave per-sample losses.
+
+    Examples:
+        >>> sums, counts = loss_terms(torch.tensor([2.0, 3.0]))
+        >>> sums.tolist(), counts.tolist()
+        ([2.0, 3.0], [1.0, 1.0])
+        >>> [t.tolist() for t in loss_terms((torch.tensor([4.0]), torch.tensor([2])))]
+        [[4.0], [2]]
+    """
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise ValueError(
+                f"`loss` returned a tuple of {len(value)} items: give per-sample losses, or "
+                "a pair (per-sample sums, per-sample counts)"
+            )
+        return loss_sums(value), value[1]
+    return value, torch.ones_like(value)
 
 
 def next_token_loss(logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,10 +56,12 @@ from lightning_iocatch.capture.store_patch import refuse_left_padding
 from lightning_iocatch.capture.variants import CLEAN, Variants
 from lightning_iocatch.lightning.batch_indices import BatchIndexer, missing_indices_reason
 from lightning_iocatch.lightning.effect_terms import (
+    LossFn,
     call_forward,
     default_forward,
     default_output,
     kl_per_sample,
+    loss_terms,
     next_token_loss,
     ratio,
 )
@@ -69,7 +71,6 @@ from lightning_iocatch.probes.base import _gather_tensors
 __all__ = ["InterventionEffects", "kl_per_sample", "next_token_loss"]
 
 _KEYS = 3  # the key columns of a sample's row: dataloader, rank (-1: index known), index
-LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
 
 class InterventionEffects(pl.Callback):
@@ -266,10 +267,8 @@ class InterventionEffects(pl.Callback):
         return call_forward(self.forward, pl_module, own, "InterventionEffects")
 
     def _terms(self, logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        value = self.loss(logits, batch)
-        if isinstance(value, tuple):
-            return value[0].double(), value[1].double()
-        return value.double(), torch.ones_like(value, dtype=torch.float64)
+        sums, counts = loss_terms(self.loss(logits, batch))
+        return sums.double(), counts.double()
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._indexer is None:

@@ -18,7 +18,9 @@ not open then) and runs one pass of its own at the batch's end:
    sample's gradient is its own whatever the batch size or the number of processes;
 4. ``torch.autograd.grad(total, session.gradient_edges())``: no parameter's ``.grad``
    or ``requires_grad`` changes; then ``session.take()``, the batch's captures (the spec's
-   activations and gradients of this one forward), handed to the sinks as ever.
+   activations and gradients of this one forward), handed to the sinks as ever. A loss
+   whose backward reaches none of the sites (computed around them) is refused, naming
+   ``loss=``: its gradients would be nothing.
 
 The loss, forward and output functions mean what they mean for
 :class:`~lightning_iocatch.lightning.effects.InterventionEffects`, with the same defaults.
@@ -43,15 +45,16 @@ from lightning_iocatch.capture.gradients import recording_gradients
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.snapshots import map_tensors
 from lightning_iocatch.lightning.effect_terms import (
+    LossFn,
     call_forward,
     default_forward,
     default_output,
+    loss_sums,
     next_token_loss,
 )
 
 __all__ = ["ForwardFn", "GradientPass", "LossFn", "OutputFn", "step_context"]
 
-LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 ForwardFn = Callable[[pl.LightningModule, Any], Any]
 OutputFn = Callable[[Any], torch.Tensor]
 
@@ -109,14 +112,13 @@ class GradientPass:
                         out = self._forward(pl_module, batch)
                     total = self._total(self.output(out), batch)
                     edges = session.gradient_edges()
-                    if edges and not total.requires_grad:
+                    if edges and not _reaches(total, edges):  # else: the hooks have them
                         raise ValueError(
                             "the loss does not depend on the values whose gradients "
-                            f"{session.grad_outputs + session.grad_inputs} are asked for: "
-                            "give a `loss=` computed from the forward's output"
+                            f"{session.grad_outputs + session.grad_inputs} are asked for "
+                            "(its backward, which IOCaptureCallback ran, reached none of "
+                            "them): give a `loss=` computed from the forward's output"
                         )
-                    if edges:  # the sites' hooks get the gradients
-                        torch.autograd.grad(total, edges, allow_unused=True)
                     del out  # the logits go before the captures are copied
                 return session.take()
             except BaseException:
@@ -130,8 +132,7 @@ class GradientPass:
 
     def _total(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:
         """The sum over the batch of each sample's loss (of its terms' sum)."""
-        value = self.loss(logits, batch)
-        sums = value[0] if isinstance(value, tuple) else value
+        sums = loss_sums(self.loss(logits, batch))
         if not isinstance(sums, torch.Tensor) or sums.dim() != 1:
             shape = tuple(sums.shape) if isinstance(sums, torch.Tensor) else type(sums).__name__
             raise ValueError(
@@ -140,6 +141,15 @@ class GradientPass:
                 "gradients are of their sum, so that each sample's gradient is its own"
             )
         return sums.sum()
+
+
+def _reaches(total: torch.Tensor, edges: list[Any]) -> bool:
+    """Run the backward of ``total`` to ``edges`` (the sites' hooks get their gradients);
+    whether it reached any of them (a loss with a ``grad_fn`` may still go around them)."""
+    if not total.requires_grad:
+        return False
+    found = torch.autograd.grad(total, edges, allow_unused=True)
+    return any(grad is not None for grad in found)
 
 
 def step_context(trainer: pl.Trainer, stage: str) -> Callable[[], AbstractContextManager[Any]]:

@@ -75,7 +75,7 @@ import hashlib
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,8 @@ from lightning_iocatch.store.backends.coded import KEPT_BYTES, KEPT_BYTES_MAX
 from lightning_iocatch.store.epoch_order import EpochSequence, StepPlan
 from lightning_iocatch.store.names import INDEX_KEY
 from lightning_iocatch.store.reader import FeatureStore, OnDuplicate
-from lightning_iocatch.store.row_gather import Block, Column, RowGather
+from lightning_iocatch.store.row_gather import Column, RowGather
+from lightning_iocatch.store.row_layout import Incomplete, key_columns, layout, parse_keys
 from lightning_iocatch.store.shard_codec import BLOCK_BYTES
 
 __all__ = ["INDEX", "SHUFFLE_ROWS", "StoreRows"]
@@ -101,7 +102,6 @@ SHUFFLE_ROWS = 1 << 16
 INDEX = "index"
 """The batch entry holding each row's dataset index (``with_indices=True``)."""
 
-Incomplete = Literal["error", "skip"]
 _INCOMPLETE = ("error", "skip")
 
 
@@ -160,7 +160,7 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         world_size: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.keys = _parse_keys(keys)
+        self.keys = parse_keys(keys)
         self.batch_size = check_int("batch_size", batch_size, minimum=1)
         self.shuffle = check_bool("shuffle", shuffle)
         self.seed = check_int("seed", seed, minimum=0)
@@ -181,8 +181,10 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
             storage_options=storage_options,
         )
         self.path = store.path
-        self._columns = self._check_columns(store)
-        self._blocks = _layout(store, self.keys, incomplete)
+        self._columns = key_columns(store, self.keys, self.dtype)
+        if self.with_indices:
+            self._columns[INDEX] = Column((), torch.int64, torch.int64)
+        self._blocks = layout(store, self.keys, incomplete)
         self.rows = sum(block.rows for block in self._blocks)
         if self.shuffle:  # decoded blocks of a window kept: each decoded about once a window
             store._kept.resize(_window_bytes(self._columns, self.shuffle_rows))
@@ -196,31 +198,6 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self._resume = torch.tensor([-1, 0, 0], dtype=torch.int64).share_memory_()
         self._carried: tuple[int, int] | str | None = None  # see __getstate__
-
-    def _check_columns(self, store: FeatureStore) -> dict[str, Column]:
-        described = store.metadata
-        columns = {}
-        for key in self.keys:
-            if key not in store:
-                store.indices_of(key)  # raises a KeyError naming the keys close to it
-            where = f"StoreRows reads keys with one row per sample; read {key!r} with"
-            if key in described["per_batch"]:
-                raise StoreError(f"{key!r} is stored once per batch; {where} store.batches")
-            shape, dtype = described["keys"][key]["shape"], described["keys"][key]["dtype"]
-            if shape is None or "|" in dtype:
-                raise StoreError(
-                    f"{key!r} has rows of different shapes or dtypes across batches ({dtype}); "
-                    f"{where} store.batches"
-                )
-            stored = getattr(torch, dtype)
-            cast = self.dtype if self.dtype is not None and stored.is_floating_point else stored
-            scaled = "scaled" in described["keys"][key]
-            if scaled:
-                cast = self.dtype or torch.float32
-            columns[key] = Column(tuple(shape), cast, stored, scaled)
-        if self.with_indices:
-            columns[INDEX] = Column((), torch.int64, torch.int64)
-        return columns
 
     def set_ranks(self, rank: int | None, world_size: int | None) -> None:
         """Read as data-parallel rank ``rank`` of ``world_size`` from the next iteration on (a
@@ -417,38 +394,3 @@ def _window_bytes(columns: Mapping[str, Column], rows: int) -> int:
     row = sum(c.stored.itemsize * math.prod(c.shape) + 4 * c.scaled for c in columns.values())
     ends = 4 * tensors * max(BLOCK_BYTES, row)
     return min(KEPT_BYTES_MAX, max(KEPT_BYTES, (row + 8) * rows + ends))
-
-
-def _parse_keys(keys: str | Sequence[str]) -> tuple[str, ...]:
-    parsed = (keys,) if isinstance(keys, str) else tuple(keys)
-    if not parsed or not all(isinstance(key, str) for key in parsed):
-        raise TypeError(f"`keys` must be a key or a non-empty list of keys (str), got {keys!r}")
-    if len(set(parsed)) != len(parsed):
-        raise ValueError(f"`keys` lists a key twice: {list(parsed)}")
-    return parsed
-
-
-# The layout: which rows of which stored batch are read, in commit order
-
-
-def _layout(store: FeatureStore, keys: Sequence[str], incomplete: Incomplete) -> list[Block]:
-    """The blocks of the rows holding every key, in commit order, each with the rows
-    ``store`` reads from it (an index stored twice is read from its first commit)."""
-    counts, blocks = dict.fromkeys(keys, 0), []
-    for batch in store.stored_batches():
-        held = [key for key in keys if key in batch.keys]
-        keep = None if batch.keep is None else batch.keep.nonzero().flatten()
-        rows = batch.kept_rows
-        for key in held:
-            counts[key] += rows
-        if len(held) == len(keys) and rows:
-            blocks.append(Block(batch, rows, keep))
-    complete = sum(block.rows for block in blocks)
-    for key in keys:
-        if counts[key] != complete and incomplete == "error":
-            raise StoreError(
-                f"{key!r} is stored for {counts[key]} rows, but only {complete} rows hold "
-                f"every one of {list(keys)}; pass StoreRows(..., incomplete='skip') to read "
-                "only those, or read the keys one at a time"
-            )
-    return blocks

@@ -3,7 +3,8 @@
 The Trainer-free core of :class:`~lightning_iocatch.FeatureWriter`; nothing here imports
 Lightning. The caller passes its rank and the :class:`~lightning_iocatch.store.plan.StorePlan`
 that one process made with :func:`~lightning_iocatch.store.plan.prepare_store`. Which rows
-and keys are written is :mod:`lightning_iocatch.store.exactly_once`'s decision; the files are
+and keys are written is :mod:`lightning_iocatch.store.exactly_once`'s decision; what a shard
+holds and what its record says, :mod:`lightning_iocatch.store.shard_contents`'; the files are
 :mod:`lightning_iocatch.store.names`' and :mod:`lightning_iocatch.store.commits`'s format.
 
 The writer's own rules:
@@ -27,8 +28,6 @@ The writer's own rules:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import queue
 import sys
@@ -44,17 +43,12 @@ from lightning_iocatch.store.backends.base import StoreBackend
 from lightning_iocatch.store.backends.location import open_backend
 from lightning_iocatch.store.exactly_once import RowSelector, SelectedBatch
 from lightning_iocatch.store.in_flight import ShardsInFlight
-from lightning_iocatch.store.names import FORMAT, INDEX_KEY, shard_name
+from lightning_iocatch.store.names import shard_name
 from lightning_iocatch.store.plan import StorePlan
 from lightning_iocatch.store.records import ShardRecord
 from lightning_iocatch.store.shard_codec import check_codec, encode_tensors
-from lightning_iocatch.store.shard_file import (
-    SCALE_RULE,
-    STORABLE_DTYPES,
-    dtype_name,
-    scale_name,
-    write_safetensors,
-)
+from lightning_iocatch.store.shard_contents import shard_record, shard_tensors
+from lightning_iocatch.store.shard_file import STORABLE_DTYPES, write_safetensors
 from lightning_iocatch.store.tokens import TokenSelection
 
 __all__ = ["ShardWriter"]
@@ -83,20 +77,7 @@ def _serialize(
         if cancelled.is_set():
             raise _Cancelled
 
-    tensors = {
-        f"b{position}/{key}": tensor
-        for position, batch in enumerate(batches)
-        for key, tensor in batch.tensors.items()
-    }
-    scaled = _scaled(batches)
-    tensors.update(
-        (scale_name(position, key), scale)
-        for position, batch in enumerate(batches)
-        for key, scale in batch.scales.items()
-    )
-    metadata = {"format": FORMAT, "rank": str(rank)}
-    if scaled:
-        metadata["scaled"] = json.dumps(scaled, sort_keys=True)
+    tensors, metadata = shard_tensors(batches, rank)
     if codec is not None:
         stop_if_cancelled()
         tensors, described = encode_tensors(tensors, codec)
@@ -104,23 +85,6 @@ def _serialize(
     return write_safetensors(
         handle, tensors, metadata, chunk_bytes=_CHUNK, before_chunk=stop_if_cancelled
     )
-
-
-def _scaled(batches: list[SelectedBatch]) -> dict[str, str]:
-    """The keys stored with a scale per row, with their rule (see :mod:`.shard_file`)."""
-    return {key: SCALE_RULE for batch in batches for key in batch.scales}
-
-
-def _shapes(batches: list[SelectedBatch]) -> dict[str, list[int] | None]:
-    """Per key: the shape of a row (of the whole tensor for per-batch keys); ``None`` where
-    batches differ."""
-    shapes: dict[str, set[tuple[int, ...]]] = {}
-    for batch in batches:
-        for key, tensor in batch.tensors.items():
-            if key != INDEX_KEY:
-                shape = tensor.shape if key in batch.per_batch else tensor.shape[1:]
-                shapes.setdefault(key, set()).add(tuple(shape))
-    return {key: list(next(iter(seen))) if len(seen) == 1 else None for key, seen in shapes.items()}
 
 
 class ShardWriter:
@@ -385,7 +349,7 @@ class ShardWriter:
                 lambda handle: _serialize(handle, batches, self.rank, self._cancel, self.codec),
                 durable=self.durable,
             )
-            record = _record(name, self.rank, crc, size, batches, self.codec)
+            record = shard_record(name, self.rank, crc, size, batches, self.codec)
             self.backend.commit(record, durable=self.durable)
             with self._counts:
                 self._committed.append(record)
@@ -415,40 +379,6 @@ def _check_token_keys(
             f"`token_keys` name {unknown[0]!r}, which is not a tensor of this batch (it has "
             f"{sorted(tensors)}); name the keys of `tensors` the token selection selected"
         )
-
-
-def _record(
-    name: str, rank: int, crc: int, size: int, batches: list[SelectedBatch], codec: str | None
-) -> ShardRecord:
-    """The ledger line (or commit record) of a shard of ``batches``."""
-    skipped: dict[str, str] = {}
-    for batch in batches:
-        for key, reason in batch.skipped.items():
-            skipped.setdefault(key, reason)
-    keys = {
-        key: dtype_name(tensor.dtype)
-        for batch in batches
-        for key, tensor in batch.tensors.items()
-        if key != INDEX_KEY
-    }
-    records = []
-    for batch in batches:  # a batch without some of the shard's keys says which it has
-        held = tuple(sorted(key for key in batch.tensors if key != INDEX_KEY))
-        partial = len(held) < len(keys)
-        records.append(dataclasses.replace(batch.record, keys=held) if partial else batch.record)
-    return ShardRecord(
-        file=name,
-        rank=rank,
-        bytes=size,
-        crc32=crc,
-        batches=tuple(records),
-        keys=keys,
-        shapes=_shapes(batches),
-        per_batch=tuple(sorted(set().union(*(batch.per_batch for batch in batches)))),
-        skipped=skipped,
-        scaled=_scaled(batches),
-        codec=codec,
-    )
 
 
 def _dtype_changes(dtypes: dict[str, torch.dtype], item: SelectedBatch) -> bool:

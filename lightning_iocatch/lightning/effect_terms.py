@@ -35,8 +35,16 @@ LossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch
 
 def loss_sums(value: Any) -> Any:
     """The per-sample loss sums of a :data:`LossFn`'s value: the first of ``(sums, counts)``,
-    else the value itself (not checked: the caller says what it needs)."""
-    return value[0] if isinstance(value, tuple) else value
+    else the value itself (its shape not checked: the caller says what it needs); a tuple
+    that is not a pair is refused."""
+    if not isinstance(value, tuple):
+        return value
+    if len(value) != 2:
+        raise ValueError(
+            f"`loss` returned a tuple of {len(value)} items: give per-sample losses, or "
+            "a pair (per-sample sums, per-sample counts)"
+        )
+    return value[0]
 
 
 def loss_terms(value: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,11 +59,6 @@ def loss_terms(value: Any) -> tuple[torch.Tensor, torch.Tensor]:
         [[4.0], [2]]
     """
     if isinstance(value, tuple):
-        if len(value) != 2:
-            raise ValueError(
-                f"`loss` returned a tuple of {len(value)} items: give per-sample losses, or "
-                "a pair (per-sample sums, per-sample counts)"
-            )
         return loss_sums(value), value[1]
     return value, torch.ones_like(value)
 

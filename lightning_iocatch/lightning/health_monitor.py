@@ -72,7 +72,10 @@ class ActivationMonitor(pl.Callback):
         spec: the values to watch, e.g. ``"outputs[model.layers.*]|grad_outputs[model.layers.*]"``
             (names as seen from the LightningModule).
         every_n_steps: watch the first optimizer step and every N-th after it (under
-            manual optimization: the batches whose optimizer steps contain a multiple of N).
+            manual optimization: the batch whose optimizer steps reach the next multiple of
+            N, as the last batch's number of steps foretells; a batch that takes more steps
+            than that may leave it to the next batch, logged at its own first step, so
+            that each logged step is once and in order).
         tokens: count only the real tokens of a batch with an ``attention_mask``
             (``"attention_mask"``), or every row (``None``).
         on_nonfinite: ``"warn"``, or ``"raise"`` (a :class:`NonFiniteError` stops ``fit``).
@@ -133,6 +136,7 @@ class ActivationMonitor(pl.Callback):
         self._step = -1  # the optimizer step the watched batch began at
         self._named = -1  # the step its figures are logged at (a multiple of N in its steps)
         self._span = 1  # the optimizer steps a batch takes (the last batch that stepped)
+        self._due, self._watched = 0, False  # the next step to watch; this batch watched
         self._began = 0  # the optimizer step the current batch began at
         self._vectors: dict[str, torch.Tensor] = {}  # flat key -> merged statistics
         self._order: list[str] = []
@@ -175,9 +179,14 @@ class ActivationMonitor(pl.Callback):
         """
         return -step % self.every_n_steps < max(steps, 1)
 
+    def _due_now(self, step: int) -> bool:
+        """Whether a batch beginning at optimizer step ``step`` reaches the step due, if it
+        takes as many steps as the last batch that stepped."""
+        return step + max(self._span, 1) - 1 >= self._due
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._forget()  # nothing of an earlier fit that stopped halfway
-        self._first, self._span = None, 1
+        self._first, self._span, self._due, self._watched = None, 1, 0, False
         self._layout.forget()  # the processes (maybe others than before) agree again
         self._rank = trainer.global_rank
         self._catcher = ModelIOCatcher(pl_module, None)
@@ -195,8 +204,10 @@ class ActivationMonitor(pl.Callback):
             self._finish(trainer, pl_module)  # a step left unfinished (an epoch's end)
         if self._first is None:
             self._first = step  # 0, or the step a checkpoint resumes at
-        if not (self.watches(step, self._span) or step == self._first) or self._catcher is None:
+        self._watched = False
+        if not (self._due_now(step) or step == self._first) or self._catcher is None:
             return
+        self._watched = True
         rows = real_tokens(batch, "ActivationMonitor") if self.tokens else None
         self._batch_indices = [] if self.indices is None else [int(i) for i in self.indices(batch)]
         samples = len(self._batch_indices) if self.indices is not None else None
@@ -204,8 +215,8 @@ class ActivationMonitor(pl.Callback):
         self._session = self._catcher.from_spec(self.spec, transform=self._transform)
         self._session.open()
         if self._step < 0:  # the step's first batch (not a later micro-batch of it)
-            first = step == self._first and not self.watches(step, self._span)
-            self._named = step if first else step - step % -self.every_n_steps  # next k*N
+            first = step == self._first and not self._due_now(step)
+            self._named = step if first else max(step, self._due)  # the step due, or later
         self._step = step
 
     def on_train_batch_end(
@@ -214,6 +225,9 @@ class ActivationMonitor(pl.Callback):
     ) -> None:  # fmt: skip
         if trainer.global_step > self._began:  # manual optimization: maybe several a batch
             self._span = trainer.global_step - self._began
+            last = trainer.global_step - 1  # this batch's last optimizer step
+            if self._watched and last >= self._due:  # the next multiple of N after it
+                self._due = last - last % self.every_n_steps + self.every_n_steps
         if self._session is None:  # not watched, or finished before its optimizer step
             return
         self._fold()
@@ -311,6 +325,8 @@ class ActivationMonitor(pl.Callback):
         skipped = scaled and self._skipped()
         strategy = trainer.strategy
         several = trainer.world_size > 1
+        if scaled and several:  # a process sees only its gradients (FSDP shards them):
+            skipped = strategy.reduce_boolean_decision(skipped, all=False)  # as the scaler
         if self._layout.widths is None or not several:  # alone: nothing to agree on
             self._layout.agree(strategy if several else None, vectors)
         flat = self._layout.pack(vectors, strategy.root_device)

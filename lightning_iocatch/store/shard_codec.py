@@ -206,6 +206,8 @@ def decode_block(
     zstandard = _zstd()
     size = info.block_size(block)
     try:
+        if not zstandard.get_frame_parameters(raw).has_checksum:  # the writer's always has
+            raise StoreError(f"{where} is damaged: its frame carries no checksum")
         declared = zstandard.frame_content_size(raw)
         if declared not in (-1, size):
             raise StoreError(

@@ -191,3 +191,39 @@ def test_two_optimizer_steps_a_batch_watch_the_multiples_of_n() -> None:
 def test_every_n_steps_refuses_a_bool(value: bool) -> None:
     with pytest.raises(ValueError, match=rf"`every_n_steps` must be a positive integer.*{value}"):
         ActivationMonitor(SPEC, every_n_steps=value)
+
+
+class OneOrTwoSteps(Regression):
+    """Manual optimization whose batches take 1, 2, 1, 2, ... optimizer steps (a second
+    optimizer steps on every other batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.SGD(self.model.layers.parameters(), lr=0.01),
+            torch.optim.SGD(self.model.head.parameters(), lr=0.01),
+        ]
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        first, second = self.optimizers()  # type: ignore[misc]
+        x, y = batch
+        self.manual_backward(((self.model(x) - y) ** 2).sum())
+        first.step()
+        first.zero_grad()
+        if batch_idx % 2 == 1:
+            second.step()
+            second.zero_grad()
+
+
+def test_batches_of_varying_steps_log_each_step_once_and_in_order() -> None:
+    """Batches start at steps 0, 1, 3, 4, 6, 7, 9, 10 (1, 2, 1, 2 steps); with N = 2 every
+    logged step is logged once, in order, none before the step it stands for (the batch
+    from 1 holds step 2 but the last batch foretold one step: the next batch, from 3, is
+    watched and logged at 3)."""
+    monitor = ActivationMonitor(SPEC, every_n_steps=2, tokens=None)
+    trainer([monitor], max_epochs=1, limit_train_batches=8).fit(OneOrTwoSteps(), loader(64, 4))
+    steps = [step for step, _ in monitor.history]
+    assert steps == sorted(set(steps)) == [0, 3, 4, 6, 9, 10]

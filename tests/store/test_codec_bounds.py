@@ -136,6 +136,19 @@ def test_a_frame_declaring_no_size_is_decoded_no_further_than_its_block(
     assert torch.equal(FeatureStore(tmp_path).rows_at("x", [21, 20]).rows, x[[21, 20]])
 
 
+def test_a_frame_without_a_checksum_is_refused(tmp_path: Path) -> None:
+    """Other bytes of the block's size in a frame without zstd's checksum would decode
+    cleanly into other rows: the writer always writes one, so one without is refused."""
+    x = rows()
+    write(tmp_path, x)
+    other = (x[20:24] + 1).numpy().view(np.uint8).reshape(-1, 4).T.copy()
+    unchecked = zstandard.ZstdCompressor(level=19, write_checksum=False)
+    replace_block(tmp_path, "b0/x", 5, unchecked.compress(other.data))
+    with pytest.raises(StoreError, match="block 5 is damaged: its frame carries no checksum"):
+        FeatureStore(tmp_path).rows_at("x", [21])
+    assert torch.equal(FeatureStore(tmp_path).rows_at("x", [3]).rows, x[[3]])  # others read
+
+
 def test_a_frame_asking_a_window_beyond_its_block_is_refused(tmp_path: Path) -> None:
     x = rows()
     write(tmp_path, x)

@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_iocatch.capture.shard_gather import (
     Layout,
+    Restore,
     as_dtensor_like,
     check_sizes,
     chunk_sizes,
@@ -116,10 +117,8 @@ class ShardedValues:
     def __init__(self, model: nn.Module, mesh: Any, shard_layouts: Mapping[str, Any]) -> None:
         self.mesh = mesh
         self.given = dict(shard_layouts)
-        self._model = model
         self._by_name = dict(model.named_modules())
         self._styles = {name: style_layouts(module) for name, module in self._by_name.items()}
-        self._names = {id(module): name for name, module in self._by_name.items()}
         self._produced: dict[int, tuple[weakref.ref[torch.Tensor], Layout]] = {}
         self._elementwise_input: dict[str, Layout | None] = {}  # name -> its input's layout
         self._replicated: set[tuple[str, str, str, int]] = set()  # calls checked whole
@@ -156,8 +155,7 @@ class ShardedValues:
         layouts) and on elementwise modules (their outputs keep their input's). Call
         before a session registers its captures; remove the handles when it closes."""
         handles: list[RemovableHandle] = []
-        for module in self._model.modules():
-            name = self._names[id(module)]
+        for name, module in self._by_name.items():
             if self._styles.get(name) is not None:
                 handles.append(module.register_forward_pre_hook(self._track_inputs(name)))
                 handles.append(module.register_forward_hook(self._track_outputs(name)))
@@ -167,9 +165,11 @@ class ShardedValues:
         return handles
 
     def _remember(self, tensor: Any, layout: Layout | None) -> None:
+        """Note ``tensor``'s layout while it lives (its entry goes with it: an id is reused
+        only after the tensor's weak references are called back)."""
         if isinstance(tensor, torch.Tensor) and not is_dtensor(tensor) and layout is not None:
-            self._produced[id(tensor)] = (weakref.ref(tensor), layout)
-        self._produced = {k: v for k, v in self._produced.items() if v[0]() is not None}
+            key, produced = id(tensor), self._produced
+            produced[key] = (weakref.ref(tensor, lambda _: produced.pop(key, None)), layout)
 
     def follow(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """``new`` (handed on in ``old``'s place: a gradient site's copy) lies as ``old``."""
@@ -238,31 +238,39 @@ class ShardedValues:
         the whole value's gradient)."""
         if is_dtensor(tensor):
             return full_value  # a gradient's DTensor carries its own placement
+        found = self._parts(name, kind, view, tensor, path, call)
+        if found is None or (found[0].placement.is_partial() and kind.startswith("grad_")):
+            return _same
+        layout, sizes = found
+        return lambda local: gather(local, self.mesh, layout, sizes)
+
+    def _parts(
+        self, name: str, kind: str, view: View, tensor: torch.Tensor, path: str, call: int
+    ) -> tuple[Layout, list[int]] | None:
+        """The layout of a local ``tensor`` and its parts' sizes along the sharded dimension
+        (none for a ``Partial``), or ``None`` for a whole one (see :meth:`_layout`)."""
         layout = self._layout(name, kind, view, tensor, path, call)
         if layout is None or layout.whole:
-            return _same
+            return None
         if layout.placement.is_partial():
-            return _same if kind.startswith("grad_") else self._gather_with(layout, [])
+            return layout, []
         dim = layout.placement.dim % tensor.dim()
-        sizes = self._sizes(name, kind, view, path, tensor, dim, layout)
-        return self._gather_with(layout, sizes)
-
-    def _gather_with(self, layout: Layout, sizes: list[int]) -> Whole:
-        return lambda local: gather(local, self.mesh, layout, sizes)
+        return layout, self._sizes(name, kind, view, path, tensor, dim, layout)
 
     def edit(self, name: str, kind: str, value: Any, fn: Callable[[Any], Any], call: int) -> Any:
         """``fn`` applied to the whole ``value`` (a raw view: before the style's hooks), each
         edited tensor cut back to the form of the one it replaces (and a local part keeps
         its layout for what follows)."""
-        restore: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Layout | None]] = {}
+        restore: dict[str, tuple[Restore, Layout | None]] = {}
 
         def whole_one(tensor: torch.Tensor, path: str) -> torch.Tensor:
             if is_dtensor(tensor):
                 restore[path] = (as_dtensor_like(tensor), None)
                 return full_value(tensor)
-            layout = self._layout(name, kind, "raw", tensor, path, call)
-            if layout is None or layout.whole:
+            found = self._parts(name, kind, "raw", tensor, path, call)
+            if found is None:
                 return tensor
+            layout, sizes = found
             if layout.placement.is_partial():
                 raise CaptureError(
                     f"an edit of {kind}{path} of {name!r}: a local part of a sum "
@@ -270,8 +278,6 @@ class ShardedValues:
                     "the module after the sum, or keep the value a DTensor "
                     "(use_local_output=False)"
                 )
-            dim = layout.placement.dim % tensor.dim()
-            sizes = self._sizes(name, kind, "raw", path, tensor, dim, layout)
             restore[path] = (local_like(tensor, self.mesh, layout, sizes), layout)
             return gather(tensor, self.mesh, layout, sizes)
 

@@ -70,38 +70,40 @@ class _SumOverRanks(torch.autograd.Function):
         return grad
 
 
-class ColumnHalf(nn.Module):
-    """A hand-written column-parallel layer: a replicated Linear of which this rank
-    computes only its chunk of the output features (``torch.chunk``'s, uneven for an odd
-    width), returned as a plain local tensor. Whole with ``world=1``."""
+class _HandSplit(nn.Module):
+    """A replicated Linear of which this rank computes its chunk (``torch.chunk``'s, uneven
+    for an odd width); whole with ``world=1``."""
 
     def __init__(self, d_in: int, d_out: int, rank: int = 0, world: int = 1) -> None:
         super().__init__()
         self.linear = nn.Linear(d_in, d_out)
         self.rank, self.world = rank, world
 
+    def mine(self, size: int) -> torch.Tensor:
+        """This rank's indices of ``size`` features."""
+        return torch.arange(size).chunk(self.world)[self.rank]
+
+
+class ColumnHalf(_HandSplit):
+    """A hand-written column-parallel layer: this rank's chunk of the output features,
+    returned as a plain local tensor."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
             return self.linear(x)
-        rows = torch.arange(self.linear.out_features).chunk(self.world)[self.rank]
+        rows = self.mine(self.linear.out_features)
         weight, bias = self.linear.weight[rows], self.linear.bias[rows]
         return F.linear(_CopyToRanks.apply(x), weight, bias)
 
 
-class RowHalf(nn.Module):
+class RowHalf(_HandSplit):
     """The hand-written row-parallel layer after :class:`ColumnHalf`: this rank's chunk of
     the input features in, the sum over the ranks out."""
-
-    def __init__(self, d_in: int, d_out: int, rank: int = 0, world: int = 1) -> None:
-        super().__init__()
-        self.linear = nn.Linear(d_in, d_out)
-        self.rank, self.world = rank, world
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
             return self.linear(x)
-        cols = torch.arange(self.linear.in_features).chunk(self.world)[self.rank]
-        part = F.linear(x, self.linear.weight[:, cols])
+        part = F.linear(x, self.linear.weight[:, self.mine(self.linear.in_features)])
         return _SumOverRanks.apply(part) + self.linear.bias
 
 

@@ -148,3 +148,23 @@ def url() -> Iterator[str]:
     fs = fsspec.filesystem("memory")
     if fs.exists(prefix):
         fs.rm(prefix, recursive=True)
+
+
+@pytest.fixture(scope="session")
+def ddp_scenarios(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The folder of the one 2-process launch of tests/ddp_scenarios.py, shared by every
+    pytest-xdist worker of the session: the first to ask launches it, under a lock the
+    others wait on."""
+    from filelock import FileLock
+
+    from tests.ddp_scenarios import DONE, FAILED, launch
+
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # every worker's base folder lies in the session's
+        shared = shared.parent
+    out = shared / "ddp-scenarios"
+    with FileLock(str(shared / "ddp-scenarios.lock")):
+        if not (out / DONE).exists() and not (out / FAILED).exists():
+            out.mkdir(exist_ok=True)
+            launch(out)
+    return out

@@ -4,8 +4,9 @@ The truth: for every batch of the same DataLoader, the model run by hand with ha
 hooks, its next-token losses summed in float64 and ``torch.autograd.grad`` of them, the
 scores ``(a_source - a_base) . grad`` added over the epoch and divided by its tokens; the
 exact effects by a hand-written hook that returns the other run's value. Then the same on
-2 DDP processes (this file is also the script they run), 7 samples shuffled in batches of
-2 (the sampler repeats a sample on the second process), must log the 1-process values.
+2 DDP processes (``main``, in the shared launch of tests/ddp_scenarios.py), 7 samples
+shuffled in batches of 2 (the sampler repeats a sample on the second process), must log
+the 1-process values.
 
     python tests/lightning/test_attribution_patching.py OUT_DIR
 """
@@ -13,18 +14,16 @@ exact effects by a hand-written hook that returns the other run's value. Then th
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_iocatch.lightning.attribution import AttributionPatching, corrupted_fields
-from tests.conftest import run_script
+from tests.ddp_scenarios import ranks_of
 from tests.lightning.test_effects import LM, VOCAB, forward, samples
 
 BLOCKS = [f"model.transformer.h.{i}" for i in range(4)]
@@ -278,18 +277,18 @@ def test_parameters_keep_their_grad_and_requires_grad() -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_log_the_one_process_values_with_uneven_data(tmp_path: Path) -> None:
-    run_script(__file__, str(tmp_path), timeout=240)
-    logged = json.loads((tmp_path / "rank0.json").read_text())
+def test_two_processes_log_the_one_process_values_with_uneven_data(ddp_scenarios: Path) -> None:
+    logged = json.loads(
+        (ranks_of(ddp_scenarios, "attribution_patching") / "rank0.json").read_text()
+    )
     single = validate(devices=1)
     assert set(logged) == set(single.last_values)
     for name, value in single.last_values.items():
         assert logged[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
 
 
-if __name__ == "__main__":
-    out = Path(sys.argv[1])
+def main(out: Path) -> None:
+    """One process of the 2-process run (tests/ddp_scenarios.py)."""
     found = validate(devices=2, shuffle=True)  # the sampler's padding is told by its place
     rank = int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else 0
     (out / f"rank{rank}.json").write_text(json.dumps(found.last_values))
-    _ = nn  # the module is imported for the type of hooks above

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_script
+from tests.conftest import ROOT
+from tests.ddp_scenarios import ranks_of
 from tests.lightning_models import TinyModule, dataset, manual_outputs
 
 
 @pytest.mark.slow
-def test_ddp_predict_and_validate(tmp_path: Path) -> None:
-    run_script(ROOT / "tests" / "scripts" / "ddp_capture.py", str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+def test_ddp_predict_and_validate(ddp_scenarios: Path) -> None:
+    out = ranks_of(ddp_scenarios, "ddp_capture")
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     module = TinyModule()
     module.load_state_dict(ranks[0]["state_dict"])
     expected = manual_outputs(module, dataset(21).tensors[0])[1]
@@ -33,7 +34,7 @@ def test_ddp_predict_and_validate(tmp_path: Path) -> None:
     assert sorted(seen) == list(range(21))  # every sample exactly once across ranks
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_a_two_process_cpu_dump_exits_cleanly_every_time(tmp_path: Path) -> None:
     """Before, about 1 run in 6 ended with one process aborting at interpreter exit
     ("terminate called without an active exception": gloo's worker thread freed the last

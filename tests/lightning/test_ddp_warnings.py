@@ -16,7 +16,6 @@ are those the library computed, and those of the same runs on one device. The mo
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,8 @@ from lightning_iocatch import ActivationMonitor, IOCaptureCallback
 from lightning_iocatch.capture import Zero
 from lightning_iocatch.lightning.effects import InterventionEffects
 from lightning_iocatch.probes import ActivationStats
-from tests.lightning.test_probe_ddp import run_two_processes, same
+from tests.ddp_scenarios import ranks_of
+from tests.lightning.test_probe_ddp import read_ranks, same
 from tests.lightning_models import TinyModule, loader, trainer
 
 SPEC = "outputs[model.layers.*]"
@@ -74,8 +74,8 @@ def main(out: Path) -> None:
 
 
 @pytest.mark.slow
-def test_no_warning_of_the_library_and_the_logged_values_kept(tmp_path: Path) -> None:
-    ranks = run_two_processes(tmp_path, timeout=180, script=__file__)
+def test_no_warning_of_the_library_and_the_logged_values_kept(ddp_scenarios: Path) -> None:
+    ranks = read_ranks(ranks_of(ddp_scenarios, "ddp_warnings"))
     single = run(devices=1)
 
     computed = single["computed"]
@@ -98,7 +98,3 @@ def test_no_warning_of_the_library_and_the_logged_values_kept(tmp_path: Path) ->
             assert not {k: v for k, v in wrong.items() if not same(*v)}, (rank, part, wrong)
     # the user's own warning is left alone: only the library's values are exempt
     assert any(SYNC_DIST + "'val_loss'" in w for w in ranks[0]["warnings"])
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))

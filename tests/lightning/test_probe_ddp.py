@@ -1,6 +1,6 @@
 """Probes under 2-process DDP equal the 1-process run, whatever each process captures.
 
-The cases run in one DDP launch (this file is also the script it runs) and, for the
+The cases run in the shared 2-process launch (tests/ddp_scenarios.py runs `main`) and, for the
 reference, in the test process on one device:
 
 - ``even``: 48 samples, 3 layers, every probe (the data divides evenly);
@@ -22,10 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from lightning_iocatch import IOCaptureCallback
 from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe
 from lightning_iocatch.probes.linear import _unit_hash
+from tests.ddp_scenarios import ranks_of
 from tests.lightning_models import TinyModule, loader
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,27 +153,8 @@ def run_cases(devices: int) -> dict[str, Any]:
     return {"values": values, "seen": seen}
 
 
-def run_two_processes(
-    out: Path, timeout: float, script: str | Path = __file__
-) -> list[dict[str, Any]]:
-    """Launch ``script`` (this file by default) on 2 DDP processes; a hang past ``timeout``
-    kills both and fails. Each rank writes ``out/rank{r}.json``."""
-    process = subprocess.Popen(
-        [sys.executable, str(Path(script).resolve()), str(out)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group: the relaunched rank 1 included
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"2-process DDP run hung for {timeout} s:\n{output[-3000:]}")
-    assert process.returncode == 0, output[-4000:]
+def read_ranks(out: Path) -> list[dict[str, Any]]:
+    """What each process of a 2-process run wrote to ``out/rank{r}.json``."""
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
@@ -188,8 +166,9 @@ def same(value: float, expected: float) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:LinearProbe. no training or held-out samples")
-def test_two_processes_log_the_one_process_values(tmp_path: Path) -> None:
-    ranks = run_two_processes(tmp_path, timeout=240)
+def test_two_processes_log_the_one_process_values(ddp_scenarios: Path) -> None:
+
+    ranks = read_ranks(ranks_of(ddp_scenarios, "probe_ddp"))
     single = run_cases(devices=1)
 
     # the premises: uneven shards with padding, keys only one process captures
@@ -216,10 +195,7 @@ def test_two_processes_log_the_one_process_values(tmp_path: Path) -> None:
 
 
 def main(out: Path) -> None:
+    """One process of the 2-process run (tests/ddp_scenarios.py)."""
     result = run_cases(devices=2)
     rank = torch.distributed.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))

@@ -4,8 +4,8 @@ A random GPT-2 validates mapping batches (``input_ids``, ``attention_mask``, a t
 the dataset index), right- or left-padded to one length (so a sample's activations do not
 depend on the batch it lands in), one sample without a real token. Ground truth: a
 hand-written forward hook in a plain loop, and NumPy in float64 over the tokens whose
-``attention_mask`` is 1. The same cases run on 2 DDP processes with uneven shards (this
-file is also the script they run):
+``attention_mask`` is 1. The same cases run on 2 DDP processes with uneven shards (``main``,
+in the shared launch of tests/ddp_scenarios.py):
 
     python tests/lightning/test_probe_tokens.py OUT_DIR
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,8 @@ from torch.utils.data import DataLoader
 from lightning_iocatch import IOCaptureCallback, TokenRows
 from lightning_iocatch.probes import ActivationStats, LayerCKA, LinearProbe
 from lightning_iocatch.probes.linear import _unit_hash
-from tests.lightning.test_probe_ddp import run_two_processes
+from tests.ddp_scenarios import ranks_of
+from tests.lightning.test_probe_ddp import read_ranks
 from tests.probes.test_probes import numpy_batch_stats, numpy_cka
 
 SAMPLES, SEQ, BATCH, EMPTY = 23, 10, 3, 5  # uneven over 2 processes; sample 5: no token
@@ -243,11 +243,11 @@ def test_bad_probe_tokens_are_refused() -> None:
 
 
 @pytest.mark.slow
-def test_two_ddp_processes_count_real_tokens_as_one(tmp_path: Path) -> None:
+def test_two_ddp_processes_count_real_tokens_as_one(ddp_scenarios: Path) -> None:
     """2 processes, 23 samples in batches of 3, a right- and a left-padded dataloader:
     process 1's last batch is padded with a repeat of sample 0; each process logs the
     float64 truth of all 23 samples."""
-    ranks = run_two_processes(tmp_path, timeout=240, script=__file__)
+    ranks = read_ranks(ranks_of(ddp_scenarios, "probe_tokens"))
     expected = {}
     for number, side in enumerate(CASES):
         suffix = f"/dataloader_idx_{number}"
@@ -260,7 +260,3 @@ def main(out: Path) -> None:
     result = validate(tuple(CASES), probes("last"), devices=2)
     rank = torch.distributed.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))

@@ -4,15 +4,13 @@ Ground truth: the blocks' outputs by a hand-written hook in a plain loop
 (``test_probe_tokens.hooked_outputs``) and, per unit, a NumPy lexsort of every real
 token by (value desc, dataset index, position). The same probe on a shuffled loader of
 batch size 2, on 2 DDP processes with uneven shards, and offline over a dump of the
-token rows gives the same examples bit for bit. This file is also the 2-process script:
-
-    python tests/lightning/test_unit_probe.py OUT_DIR
+token rows gives the same examples bit for bit. The 2-process run is ``main``, in the shared
+launch of tests/ddp_scenarios.py.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_iocatch import FeatureWriter, IOCaptureCallback, TokenRows
 from lightning_iocatch.probes import UnitActivations, UnitSummary
 from lightning_iocatch.reports.store_units import summarize_store
-from tests.lightning.test_probe_ddp import run_two_processes
+from tests.ddp_scenarios import ranks_of
 from tests.lightning.test_probe_tokens import BLOCKS, SPEC, GPT2Module, hooked_outputs, samples
 from tests.lightning_models import trainer as quiet_trainer
 from tests.probes.test_units import numpy_top
@@ -149,16 +147,16 @@ def test_the_dump_of_token_rows_gives_the_validation_examples(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_two_ddp_processes_find_the_examples_of_one(tmp_path: Path) -> None:
+def test_two_ddp_processes_find_the_examples_of_one(ddp_scenarios: Path) -> None:
     """23 samples in batches of 3 over 2 processes: process 1's last batch repeats sample 0
     (flagged padding); each process's merged summaries equal one process's bit for bit."""
-    run_two_processes(tmp_path, timeout=240, script=__file__)
+    out = ranks_of(ddp_scenarios, "unit_probe")
     expected = validate("right", spec=SPEC_BOTH)
     for rank in (0, 1):
-        names = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        names = json.loads((out / f"rank{rank}.json").read_text())
         assert sorted(names) == sorted(expected)
         for number, name in enumerate(names):
-            got = UnitSummary.load(tmp_path / f"rank{rank}-{number}.safetensors")
+            got = UnitSummary.load(out / f"rank{rank}-{number}.safetensors")
             same(got, expected[name], exact=name.startswith(EXACT))
 
 
@@ -169,7 +167,3 @@ def main(out: Path) -> None:
     for number, name in enumerate(names):
         summaries[name].save(out / f"rank{rank}-{number}.safetensors")
     (out / f"rank{rank}.json").write_text(json.dumps(names))
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))

@@ -1,4 +1,5 @@
-"""Run by tests/lightning/test_ddp.py: 2-process CPU DDP predict and validate, captured.
+"""For tests/lightning/test_ddp.py: 2-process CPU DDP predict and validate, captured; run
+in the shared 2-process launch (tests/ddp_scenarios.py), or alone::
 
     python tests/scripts/ddp_capture.py OUT_DIR
 

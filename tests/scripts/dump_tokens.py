@@ -1,4 +1,5 @@
-"""Run by tests/store/test_token_rows.py: a token-row dump of a tiny Llama with 2 DDP processes.
+"""For tests/store/test_token_rows.py: a token-row dump of a tiny Llama with 2 DDP processes,
+run in the shared 2-process launch (tests/ddp_scenarios.py), or alone::
 
     python tests/scripts/dump_tokens.py PATH
 
@@ -30,8 +31,8 @@ class SlowRank1(Decoder):
         return super().predict_step(batch, batch_idx, dataloader_idx)
 
 
-def main() -> None:
-    writer = FeatureWriter(sys.argv[1], tokens=TokenRows(drop_first=True, drop_token_ids={EOS}))
+def main(path: Path) -> None:
+    writer = FeatureWriter(path, tokens=TokenRows(drop_first=True, drop_token_ids={EOS}))
     callback = IOCaptureCallback(f"outputs[{LAYER}]", early_exit=True, writer=writer)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -46,8 +47,8 @@ def main() -> None:
     loader = DataLoader(Sentences(), batch_size=3, collate_fn=pad())
     trainer.predict(SlowRank1(), loader, return_predictions=False)
     if trainer.global_rank == 0:  # read at once: the other rank's shards must be committed
-        Path(sys.argv[1], "rows-seen-by-rank-0").write_text(str(len(FeatureStore(sys.argv[1]))))
+        (path / "rows-seen-by-rank-0").write_text(str(len(FeatureStore(path))))
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]))

@@ -1,8 +1,9 @@
 """Run by tests/store/test_training_data.py: one rank of a 2-process DDP fit on a store,
 its DataLoader workers started by a given start method, then a DataLoader of StoreRows
-built by hand; each rank writes what it read to ``OUT/rank{rank}.json``::
+built by hand; each rank writes what it read to ``OUT/{START_METHOD}-rank{rank}.json``.
+Each start method in turn, in the same two processes (one launch, one process group)::
 
-    python tests/scripts/store_rows_ddp.py STORE OUT START_METHOD
+    python tests/scripts/store_rows_ddp.py STORE OUT START_METHOD [START_METHOD ...]
 
 The top of this file imports nothing heavy on purpose: a worker started by ``spawn`` or
 ``forkserver`` imports this script again as its ``__main__`` (8 workers a run), and needs
@@ -57,8 +58,9 @@ def main(store: Path, out: Path, start_method: str) -> None:
         "batches": len(run.train_dataloader),
         "by_hand": [batch[INDEX].tolist() for batch in loader],
     }
-    (out / f"rank{run.global_rank}.json").write_text(json.dumps(facts))
+    (out / f"{start_method}-rank{run.global_rank}.json").write_text(json.dumps(facts))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+    for method in sys.argv[3:]:
+        main(Path(sys.argv[1]), Path(sys.argv[2]), method)

@@ -20,6 +20,7 @@ the checkpoint (the case of Lightning issue 20550); ``--steps-in-configure`` rea
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 from pathlib import Path
@@ -90,6 +91,9 @@ class Reader(pl.LightningModule):
 
 
 def main() -> None:
+    # a hang shows where every thread of the process stood, then fails the run (a test
+    # would otherwise wait for its timeout and say nothing)
+    faulthandler.dump_traceback_later(240, exit=True)  # the test waits 300 s
     parser = argparse.ArgumentParser()
     parser.add_argument("store")
     parser.add_argument("out", type=Path)

@@ -24,7 +24,7 @@ from lightning_iocatch.store.backends.local_records import read_ledgers
 from lightning_iocatch.store.names import POSITION_KEY, TOKEN_ID_KEY
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.writer import ShardWriter
-from tests.conftest import ROOT, run_script
+from tests.ddp_scenarios import ranks_of
 from tests.lightning_models import tiny_llama, trainer
 
 LAYER = "model.model.layers.1"
@@ -313,13 +313,13 @@ def test_token_rows_export_to_hugging_face_datasets_row_for_row(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_a_two_process_ddp_dump_equals_one_process_token_for_token(tmp_path: Path) -> None:
-    run_script(ROOT / "tests" / "scripts" / "dump_tokens.py", str(tmp_path))
+def test_a_two_process_ddp_dump_equals_one_process_token_for_token(ddp_scenarios: Path) -> None:
+    store_path = ranks_of(ddp_scenarios, "dump_tokens")
     loader = DataLoader(Sentences(), batch_size=4, collate_fn=pad())
     truth = expected_tokens(hidden_states(Decoder(), loader), drop={EOS})
-    store = FeatureStore(tmp_path)
+    store = FeatureStore(store_path)
     assert store.metadata["ranks"] == [0, 1] and store.duplicated_indices() == []
-    assert (tmp_path / "rows-seen-by-rank-0").read_text() == str(len(truth["index"]))
+    assert (store_path / "rows-seen-by-rank-0").read_text() == str(len(truth["index"]))
     assert store.indices.tolist() == truth["index"]
     assert store[POSITION_KEY].tolist() == truth["position"]
     assert store[TOKEN_ID_KEY].tolist() == truth["token"]

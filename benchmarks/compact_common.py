@@ -253,3 +253,32 @@ def records_scale(path: Path) -> bool:
     keys = FeatureStore(path).metadata["keys"]
     eight_bit = [info for info in keys.values() if info["dtype"].startswith("float8")]
     return bool(eight_bit) and all(info.get("scaled") == "row" for info in eight_bit)
+
+
+def synthetic_rows(rows: int, width: int, seed: int = 0) -> torch.Tensor:
+    """Float32 rows like a residual stream's: each unit Gaussian with its own spread
+    (0.5 to 1.5), and 4 outlier units 40 times wider, offset by 20."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator)
+    x *= 0.5 + torch.rand(width, generator=generator)
+    outliers = torch.randperm(width, generator=generator)[:4]
+    x[:, outliers] = x[:, outliers] * 40 + 20
+    return x
+
+
+def write_rows(
+    path: Path, key: str, x: torch.Tensor, dtype: str, codec: str | None, batch: int = 4096
+) -> float:
+    """Seconds for ``ShardWriter`` (durable) to write ``x`` as ``key`` in ``dtype`` and
+    ``codec``, ``batch`` rows a batch, over any store at ``path``."""
+    from lightning_iocatch.store.plan import prepare_store
+    from lightning_iocatch.store.writer import ShardWriter
+
+    settings = {"spec": None, "stage": "predict", "dtype": dtype}
+    start = time.perf_counter()
+    out = ShardWriter(path, rank=0, plan=prepare_store(path, "overwrite", settings),
+                      dtype=dtype, codec=codec)  # fmt: skip
+    for first in range(0, len(x), batch):
+        out.write({key: x[first : first + batch]}, range(first, min(first + batch, len(x))))
+    out.close()
+    return time.perf_counter() - start

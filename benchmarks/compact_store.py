@@ -18,10 +18,18 @@ tokens=TokenRows())`` as float32, bfloat16 and float8_e4m3fn, each without and w
   this is a **warm page cache** (nothing is dropped), i.e. decoding and gathering, not the
   disk.
 
-    python benchmarks/compact_store.py            # 8 minutes on 2 shared cores with 5
-                                                  # rounds and 3 variants (+ the model's
-                                                  # training once, 5 minutes, cached)
-    python benchmarks/compact_store.py --quick    # a few seconds
+With ``--synthetic`` the rows are not a model's: 131,072 rows of width 256 drawn as
+activations with outlier dimensions (each unit Gaussian with its own spread, 4 units 40
+times wider and offset by 20), written by the store's ``ShardWriter`` alone (its
+rows/s are the writer's, coding included, with no forward beside it: not the dump's) and
+read as above. No model, no training: the reads in about a minute.
+
+    python benchmarks/compact_store.py              # 3 rounds: 3.5 minutes on 2 shared
+                                                    # cores (+ the model's training once,
+                                                    # 3 to 5 minutes, cached)
+    python benchmarks/compact_store.py --rounds 2   # 2.5 minutes once the model is cached
+    python benchmarks/compact_store.py --synthetic  # width 256, reads: about a minute
+    python benchmarks/compact_store.py --quick      # a few seconds (a tiny model)
 """
 
 from __future__ import annotations
@@ -29,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,7 +57,10 @@ from compact_common import (
     quiet,
     records_scale,
     store_bytes,
+    synthetic_rows,
     trained_lm,
+    variant_name,
+    write_rows,
     writer,
 )
 from torch.utils.data import DataLoader
@@ -58,6 +68,7 @@ from torch.utils.data import DataLoader
 from lightning_iocatch import StoreRows
 
 BASELINE = "float32"
+SYNTHETIC_ROWS, SYNTHETIC_WIDTH, SYNTHETIC_KEY = 131_072, 256, "h/outputs"
 
 
 def read_epoch(path: Path, key: str) -> int:
@@ -80,16 +91,59 @@ def interleaved(timed: dict[str, Callable[[], float]], rounds: int) -> dict[str,
 
 
 def figures(samples: dict[str, list[float]], rows: dict[str, int]) -> dict[str, Any]:
-    """Rows/s median (min, max) of each variant, and its time's ratio to the baseline's
-    (median over rounds of the per-round ratio)."""
+    """Rows/s median (min, max) of each variant, and its speed's ratio to the baseline's
+    in the same round, median (min, max) over the rounds."""
     found: dict[str, Any] = {}
     base = samples.get(BASELINE)
     for name, seconds in samples.items():
         found[name] = {"rows_per_s": spread([rows[name] / s for s in seconds])}
         if base is not None:
             ratios = [b / s for s, b in zip(seconds, base, strict=True)]  # speed ratio
-            found[name]["speed_ratio"] = round(statistics.median(ratios), 3)
+            found[name]["speed_ratio"] = spread(ratios)
     return found
+
+
+def measure_synthetic(rounds: int, work: Path) -> dict[str, Any]:
+    """Bytes per row, the writer's and the reads' throughput of every variant on width-256
+    rows with outlier dimensions (see the module docstring)."""
+    x = synthetic_rows(SYNTHETIC_ROWS, SYNTHETIC_WIDTH)
+    paths = {variant_name(d, c): work / variant_name(d, c) for d in DTYPES for c in CODECS}
+    rows = {name: len(x) for name in paths}
+
+    def write_once(name: str) -> float:
+        dtype, _, codec = name.partition("+")
+        return write_rows(paths[name], SYNTHETIC_KEY, x, dtype, codec or None)
+
+    writes = interleaved({name: (lambda n=name: write_once(n)) for name in paths}, rounds)
+    return _read_and_size(paths, rows, SYNTHETIC_KEY, rounds) | {
+        **run_facts(rounds=rounds, synthetic=[SYNTHETIC_ROWS, SYNTHETIC_WIDTH]),
+        "rows": rows,
+        "dump": figures(writes, rows),
+        "skipped": {},
+        "fp8_scale_recorded": {},
+    }
+
+
+def _read_and_size(
+    paths: dict[str, Path], rows: dict[str, int], key: str, rounds: int
+) -> dict[str, Any]:
+    """Each store's shuffled read (timed, interleaved) and bytes per row."""
+
+    def read_once(name: str) -> float:
+        start = time.perf_counter()
+        read = read_epoch(paths[name], key)
+        if read != rows[name]:
+            raise RuntimeError(f"{name}: read {read} rows of {rows[name]}")
+        return time.perf_counter() - start
+
+    reads = interleaved({name: (lambda n=name: read_once(n)) for name in paths}, rounds)
+    sizes = {name: store_bytes(path) / rows[name] for name, path in paths.items()}
+    base_size = sizes.get(BASELINE)
+    return {
+        "bytes_per_row": {name: round(size, 2) for name, size in sizes.items()},
+        "size_ratio": {n: round(s / base_size, 3) for n, s in sizes.items()} if base_size else {},
+        "read_warm_cache": figures(reads, rows),
+    }
 
 
 def measure(setup: Setup, rounds: int, work: Path) -> dict[str, Any]:
@@ -109,24 +163,10 @@ def measure(setup: Setup, rounds: int, work: Path) -> dict[str, Any]:
         return seconds
 
     dumps = interleaved({name: (lambda n=name: dump_once(n)) for name in paths}, rounds)
-
-    def read_once(name: str) -> float:
-        start = time.perf_counter()
-        read = read_epoch(paths[name], setup.key)
-        if read != rows[name]:
-            raise RuntimeError(f"{name}: read {read} rows of {rows[name]}")
-        return time.perf_counter() - start
-
-    reads = interleaved({name: (lambda n=name: read_once(n)) for name in paths}, rounds)
-    sizes = {name: store_bytes(path) / rows[name] for name, path in paths.items()}
-    base_size = sizes.get(BASELINE)
-    return {
+    return _read_and_size(paths, rows, setup.key, rounds) | {
         **run_facts(setup=setup.digest(), rounds=rounds, lm=trained),
         "rows": rows,
-        "bytes_per_row": {name: round(size, 2) for name, size in sizes.items()},
-        "size_ratio": {n: round(s / base_size, 3) for n, s in sizes.items()} if base_size else {},
         "dump": figures(dumps, rows),
-        "read_warm_cache": figures(reads, rows),
         "skipped": skipped,
         "fp8_scale_recorded": {n: records_scale(p) for n, p in paths.items() if "float8" in n},
     }
@@ -146,10 +186,13 @@ def markdown(result: dict[str, Any]) -> str:
             s = fig["rows_per_s"]
             return f"{s['median']:,.0f} ({s['min']:,.0f}, {s['max']:,.0f})"
 
+        def ratio(fig: dict[str, Any]) -> str:
+            r = fig.get("speed_ratio")
+            return "" if r is None else f"{r['median']:.2f} ({r['min']:.2f}, {r['max']:.2f})"
+
         lines.append(
             f"| {name} | {size:.1f} | {result['size_ratio'].get(name, float('nan')):.3f} | "
-            f"{cell(dump_)} | {dump_.get('speed_ratio', float('nan')):.2f} | {cell(read)} | "
-            f"{read.get('speed_ratio', float('nan')):.2f} |"
+            f"{cell(dump_)} | {ratio(dump_)} | {cell(read)} | {ratio(read)} |"
         )
     for name, reason in result["skipped"].items():
         lines.append(f"| {name} | skipped: {reason.splitlines()[0][:80]} | | | | | |")
@@ -162,6 +205,9 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model, a few seconds")
+    parser.add_argument(
+        "--synthetic", action="store_true", help="width-256 rows, no model: about a minute"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3)")
     parser.add_argument("--json", action="store_true", help="print the JSON result too")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -172,11 +218,17 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 3)
     work = Path(tempfile.mkdtemp(prefix="compact-store-"))
     try:
-        result = measure(setup, rounds, work)
+        result = measure_synthetic(rounds, work) if args.synthetic else measure(setup, rounds, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps(result, indent=1))
+    if args.synthetic:
+        print(f"{SYNTHETIC_ROWS} synthetic rows of width {SYNTHETIC_WIDTH} (outlier units); "
+              f"'dump' is ShardWriter alone; torch {result['torch']}, {result['threads']} "
+              f"threads, {rounds} rounds")  # fmt: skip
+        print(markdown(result).replace("dump rows/s", "writer rows/s"))
+        return
     lm = result["lm"]
     print(f"{sum(result['rows'].values()) // max(len(result['rows']), 1)} token rows of "
           f"{setup.key} (width {setup.width}); the model's held-out loss "

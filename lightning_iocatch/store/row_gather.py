@@ -6,11 +6,13 @@ given, for each of its rows, the block and the row within the rows read from it:
 the rows by shard and asks each shard for the bytes at just those rows' offsets
 (:meth:`~lightning_iocatch.store.backends.base.Shard.gather`: memory-mapped on disk, ranged
 reads on object storage), so a batch costs the bytes of its rows, not of the blocks they
-come from. Rows are moved as bytes with NumPy, on the calling thread only: torch's
-intra-op threads, which a DataLoader's main process has, turn these small copies into a
-contest for the cores with everything else the machine runs. A key stored in 8-bit floats
-with a scale per row is gathered with its scales and dequantized
-(:func:`~lightning_iocatch.store.shard_file.dequantize`).
+come from; a key's rows and their scales in one call (a local shard is mapped once), and
+a batch from one shard is taken as the shard gives it, with no copy. Rows are moved as
+bytes with NumPy, on the calling thread only (only a coded shard's blocks are decoded on
+threads of their own): torch's intra-op threads, which a DataLoader's main process has,
+turn these small copies into a contest for the cores with everything else the machine
+runs. A key stored in 8-bit floats with a scale per row is gathered with its scales and
+dequantized (:func:`~lightning_iocatch.store.shard_file.dequantize`).
 """
 
 from __future__ import annotations
@@ -122,16 +124,22 @@ class RowGather:
             source = self._sources[int(sources[places[0]])]
             mine = blocks[places]
             distinct = touched if len(cuts) == 0 else np.unique(mine)
+            asked: list[tuple[np.ndarray, int]] = []  # each key's rows, and their scales
+            into: list[tuple[dict[str, np.ndarray], str]] = []
             for key in self._columns:
                 self._locate(distinct, key)
                 width = self._widths[key]
-                offsets = self._starts[key][mine] + stored[places] * width
-                table = out.setdefault(key, np.empty((count, width), dtype=np.uint8))
-                table[places] = source.gather(offsets, width)
+                asked.append((self._starts[key][mine] + stored[places] * width, width))
+                into.append((out, key))
                 if key in self._scale_starts:
-                    offsets = self._scale_starts[key][mine] + stored[places] * 4
-                    table = scales.setdefault(key, np.empty((count, 4), dtype=np.uint8))
-                    table[places] = source.gather(offsets, 4)
+                    asked.append((self._scale_starts[key][mine] + stored[places] * 4, 4))
+                    into.append((scales, key))
+            for (table, key), taken in zip(into, source.gather_many(asked), strict=True):
+                if len(cuts) == 0:  # one shard: ``places`` is every row in order
+                    table[key] = taken
+                else:
+                    table.setdefault(key, np.empty((count, taken.shape[1]), np.uint8))
+                    table[key][places] = taken
         batch = {}
         for key, column in self._columns.items():
             if math.prod(column.shape) == 0:

@@ -20,7 +20,7 @@ from lightning_iocatch.store.names import FORMAT, INDEX_KEY
 from lightning_iocatch.store.records import ShardRecord
 from lightning_iocatch.store.shard_file import SCALE_RULE, dtype_name, scale_name
 
-__all__ = ["shard_record", "shard_tensors"]
+__all__ = ["batch_tensors", "shapes_only", "shard_record", "shard_tensors"]
 
 
 def shard_tensors(
@@ -28,21 +28,32 @@ def shard_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors of a shard of ``batches`` (``b{position}/{key}``, then the scales of the
     keys stored with a scale per row) and its metadata."""
-    tensors = {
-        f"b{position}/{key}": tensor
-        for position, batch in enumerate(batches)
-        for key, tensor in batch.tensors.items()
-    }
+    tensors = {}
+    for position, batch in enumerate(batches):
+        tensors.update(batch_tensors(batch, position))
     scaled = _scaled(batches)
-    tensors.update(
-        (scale_name(position, key), scale)
-        for position, batch in enumerate(batches)
-        for key, scale in batch.scales.items()
-    )
     metadata = {"format": FORMAT, "rank": str(rank)}
     if scaled:
         metadata["scaled"] = json.dumps(scaled, sort_keys=True)
     return tensors, metadata
+
+
+def batch_tensors(batch: SelectedBatch, position: int) -> dict[str, torch.Tensor]:
+    """The tensors of ``batch`` at ``position`` in its shard: ``b{position}/{key}``, then
+    the scales of its keys stored with a scale per row."""
+    tensors = {f"b{position}/{key}": tensor for key, tensor in batch.tensors.items()}
+    tensors.update((scale_name(position, key), scale) for key, scale in batch.scales.items())
+    return tensors
+
+
+def shapes_only(batch: SelectedBatch) -> SelectedBatch:
+    """``batch`` with tensors of its tensors' shapes and dtypes and no data (``meta``): all
+    its record needs once a codec holds its data."""
+    return dataclasses.replace(
+        batch,
+        tensors={key: t.to("meta") for key, t in batch.tensors.items()},
+        scales={key: t.to("meta") for key, t in batch.scales.items()},
+    )
 
 
 def shard_record(

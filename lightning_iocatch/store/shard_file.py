@@ -22,6 +22,7 @@ in float32. A key whose rows are single values is stored as float32, unscaled
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -29,6 +30,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
+import numpy as np
 import torch
 
 from lightning_iocatch.errors import StoreError
@@ -147,9 +149,30 @@ def _check_range(peak: torch.Tensor, dtype: torch.dtype, key: str) -> None:
 
 def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values of ``stored`` (a :data:`SCALED_DTYPES` tensor) with their ``scale`` per
-    row applied, computed in float32 and returned as the floating ``dtype``."""
-    rows = stored.to(torch.float32).reshape(_rows_of(stored.shape)) * scale.reshape(-1)[:, None]
+    row applied, computed in float32 and returned as the floating ``dtype``.
+
+    On the CPU each byte is widened by a look-up in a table of the 256 values of the dtype
+    (torch's own cast of each byte, NaNs included: the same bits), about four times faster
+    than torch's cast; the product with the scale is float32's, as on other devices.
+    """
+    shape = _rows_of(stored.shape)
+    if stored.device.type == "cpu" and scale.device.type == "cpu":
+        codes = stored.reshape(shape).view(torch.uint8).numpy()
+        values = np.take(_float32_table(stored.dtype), codes)
+        with np.errstate(all="ignore"):  # NaN, infinity and overflow as torch's, silently
+            values *= scale.reshape(-1, 1).to(torch.float32).numpy()
+        rows = torch.from_numpy(values)
+    else:
+        rows = stored.to(torch.float32).reshape(shape) * scale.reshape(-1)[:, None]
     return rows.reshape(stored.shape).to(dtype)
+
+
+@functools.cache
+def _float32_table(dtype: torch.dtype) -> np.ndarray:
+    """The float32 value of each of the 256 bytes of the 8-bit float ``dtype``, by torch."""
+    table = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).numpy()
+    table.flags.writeable = False
+    return table
 
 
 def _to_float8(values: torch.Tensor, dtype: torch.dtype, *, finite: bool = False) -> torch.Tensor:

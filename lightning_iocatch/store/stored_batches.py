@@ -161,6 +161,15 @@ class CommittedShard:
         self._check()
         return self.shard.gather(offsets, width)
 
+    def gather_many(self, asked: Sequence[tuple[np.ndarray, int]]) -> list[np.ndarray]:
+        """:meth:`gather` of each ``(offsets, width)``, together where the shard can (a
+        local shard maps its file once for them all)."""
+        self._check()
+        together = getattr(self.shard, "gather_many", None)
+        if together is not None:
+            return list(together(asked))
+        return [self.shard.gather(offsets, width) for offsets, width in asked]
+
     def indices(self, positions: Sequence[int]) -> list[torch.Tensor]:
         """The ``__index__`` of the batches at ``positions``, each checked against its record."""
         read = self.read([f"b{position}/{INDEX_KEY}" for position in positions])

@@ -13,7 +13,9 @@ The writer's own rules:
   being filled (each ``max_shard_bytes`` plus the batch that fills it), and
   ``queue_size + 1`` more batches (those queued and the one being handed over). A shard
   is written straight from the tensors, with no serialized copy (an upload holds one
-  block of its filesystem's buffer besides: s3fs's ``default_block_size``).
+  block of its filesystem's buffer besides: s3fs's ``default_block_size``). With a codec,
+  each batch is coded on the writer thread as it arrives, beside the model's next
+  forwards rather than all after the last one, and only its coded bytes are kept.
 - **Shards in flight.** On object storage, where a request waits on the network,
   ``shards_in_flight`` shards (default 4) are uploaded at once, each committed by its own
   record once its upload completes: a shard committed before an earlier one of its rank
@@ -46,8 +48,13 @@ from lightning_iocatch.store.in_flight import ShardsInFlight
 from lightning_iocatch.store.names import shard_name
 from lightning_iocatch.store.plan import StorePlan
 from lightning_iocatch.store.records import ShardRecord
-from lightning_iocatch.store.shard_codec import check_codec, encode_tensors
-from lightning_iocatch.store.shard_contents import shard_record, shard_tensors
+from lightning_iocatch.store.shard_codec import ShardEncoder, check_codec
+from lightning_iocatch.store.shard_contents import (
+    batch_tensors,
+    shapes_only,
+    shard_record,
+    shard_tensors,
+)
 from lightning_iocatch.store.shard_file import STORABLE_DTYPES, write_safetensors
 from lightning_iocatch.store.tokens import TokenSelection
 
@@ -66,9 +73,10 @@ def _serialize(
     batches: list[SelectedBatch],
     rank: int,
     cancelled: threading.Event,
-    codec: str | None = None,
+    coded: ShardEncoder | None = None,
 ) -> tuple[int, int]:
-    """Write a shard of ``batches`` (tensors ``b{position}/{key}``); return its CRC-32 and size.
+    """Write a shard of ``batches`` (tensors ``b{position}/{key}``), or of their tensors as
+    ``coded`` already holds them; return its CRC-32 and size.
 
     Raises :class:`_Cancelled` between two chunks once ``cancelled`` is set.
     """
@@ -78,10 +86,9 @@ def _serialize(
             raise _Cancelled
 
     tensors, metadata = shard_tensors(batches, rank)
-    if codec is not None:
-        stop_if_cancelled()
-        tensors, described = encode_tensors(tensors, codec)
-        metadata.update(described)
+    if coded is not None:
+        tensors = coded.tensors
+        metadata.update(coded.metadata())
     return write_safetensors(
         handle, tensors, metadata, chunk_bytes=_CHUNK, before_chunk=stop_if_cancelled
     )
@@ -298,6 +305,7 @@ class ShardWriter:
     def _run(self) -> None:
         pending: list[SelectedBatch] = []
         dtypes: dict[str, torch.dtype] = {}  # the pending batches' keys, kept as they come
+        coded = self._encoder()  # the pending batches coded as they come, with a codec
         shards = ShardsInFlight(self.shards_in_flight, f"iocatch-upload-r{self.rank}")
         try:
             size = 0
@@ -308,18 +316,21 @@ class ShardWriter:
                 if self._cancel.is_set() or not isinstance(item, SelectedBatch):
                     continue
                 if pending and _dtype_changes(dtypes, item):
-                    shards.write(self._write_shard(pending))
-                    pending, size, dtypes = [], 0, {}
+                    shards.write(self._write_shard(pending, coded))
+                    pending, size, dtypes, coded = [], 0, {}, self._encoder()
+                if coded is not None:  # coded now; the batch keeps its tensors' shapes only
+                    coded.add(batch_tensors(item, len(pending)))
+                    item = shapes_only(item)
                 pending.append(item)
                 dtypes.update((key, t.dtype) for key, t in item.tensors.items())
                 size += item.nbytes
                 del item  # only ``pending`` holds the batch from here
                 if size >= self.max_shard_bytes:
-                    shards.write(self._write_shard(pending))
-                    pending, size, dtypes = [], 0, {}
+                    shards.write(self._write_shard(pending, coded))
+                    pending, size, dtypes, coded = [], 0, {}, self._encoder()
             if pending and not self._cancel.is_set():
-                shards.write(self._write_shard(pending))
-            pending = []
+                shards.write(self._write_shard(pending, coded))
+            pending, coded = [], None
             shards.finish()
             if not self._cancel.is_set():  # every shard committed: one record of them all
                 self.backend.compact(self._committed)
@@ -330,6 +341,7 @@ class ShardWriter:
             self._cancel.set()  # shards still in flight stop at their next chunk
         finally:
             pending.clear()
+            coded = None
             with contextlib.suppress(BaseException):
                 shards.finish()  # never leaves a thread writing behind
             with contextlib.suppress(queue.Empty):  # free what waits, release a blocked put
@@ -337,16 +349,22 @@ class ShardWriter:
                     self._queue.get_nowait()
             self._done.set()
 
-    def _write_shard(self, batches: list[SelectedBatch]) -> Callable[[], None]:
-        """The shard's sequence number, now; its writing, then its record (the commit point,
-        see :mod:`~.backends.base`), when the returned function is called."""
+    def _encoder(self) -> ShardEncoder | None:
+        return None if self.codec is None else ShardEncoder(self.codec)
+
+    def _write_shard(
+        self, batches: list[SelectedBatch], coded: ShardEncoder | None
+    ) -> Callable[[], None]:
+        """The shard's sequence number, now; its writing (``coded``: with a codec, its coded
+        tensors), then its record (the commit point, see :mod:`~.backends.base`), when the
+        returned function is called."""
         name = shard_name(self.rank, self._next_seq)
         self._next_seq += 1
 
         def write() -> None:
             crc, size = self.backend.write_shard(
                 name,
-                lambda handle: _serialize(handle, batches, self.rank, self._cancel, self.codec),
+                lambda handle: _serialize(handle, batches, self.rank, self._cancel, coded),
                 durable=self.durable,
             )
             record = shard_record(name, self.rank, crc, size, batches, self.codec)

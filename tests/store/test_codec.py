@@ -57,9 +57,9 @@ def decoded_blocks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
     decode = coded_module.decode_block
 
-    def counting(raw: Any, info: Any, block: int, shuffle: bool, where: str) -> Any:
+    def counting(raw: Any, info: Any, block: int, shuffle: bool, where: str, **how: Any) -> Any:
         seen.append(where.split(" tensor ")[1].replace("'", "").replace(" block", ""))
-        return decode(raw, info, block, shuffle, where)
+        return decode(raw, info, block, shuffle, where, **how)
 
     monkeypatch.setattr(coded_module, "decode_block", counting)
     return seen

@@ -42,9 +42,9 @@ def decodes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     seen: Counter[str] = Counter()
     decode = coded_module.decode_block
 
-    def counting(raw: Any, info: Any, block: int, shuffle: bool, where: str) -> Any:
+    def counting(raw: Any, info: Any, block: int, shuffle: bool, where: str, **how: Any) -> Any:
         seen[where] += 1
-        return decode(raw, info, block, shuffle, where)
+        return decode(raw, info, block, shuffle, where, **how)
 
     monkeypatch.setattr(coded_module, "decode_block", counting)
     return seen

@@ -248,7 +248,7 @@ def profile(store: Any, encoder: Encoder, up_to: int) -> tuple[int, dict[str, An
         return f"{Path(file).name}:{line}({function})" if line else function
 
     own = sorted(stats.items(), key=lambda item: -item[1][2])[:14]
-    wanted = ("update_top", "update_density", "_batch_best", "_candidates", "forward")
+    wanted = ("update_units", "above_cut", "candidates", "finish_top", "forward")
     inside = {
         f"{Path(w[0]).name}:{w[2]}": round(v[3], 2)
         for w, v in stats.items()

@@ -13,7 +13,11 @@ e.g. padding a sampler repeats) fills one slot.
 
 Each batch costs a pass over its values and a sort of the values found: per unit those at
 or above its last slot, or, while its slots are not all filled, at or above the batch's own
-``k``-th best above ``above``: at most ``k`` per unit and batch (and their ties).
+``k``-th best above ``above``: at most ``k`` per unit and batch (and their ties). In three
+steps (:func:`begin_top`, :func:`candidates` a chunk of rows at a time, :func:`finish_top`)
+so that the density's pass can hand its active entries over
+(:mod:`~lightning_iocatch.probes.unit_pass`); there an unfilled unit is bounded by each
+chunk's own ``k``-th best, and only where it has more than ``k`` entries in the chunk.
 
 Examples:
     >>> rows = Rows(torch.tensor([[1.0], [3.0], [3.0]]), torch.tensor([7, 5, 9]), torch.tensor([-1, -1, -1]))
@@ -29,24 +33,24 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_iocatch.probes.unit_density import lowest_above
+from lightning_iocatch.probes.unit_density import above_cut, chunks, lowest_above
+from lightning_iocatch.probes.unit_rows import Ordered, Rows, neighbours, ordered_rows
 
-__all__ = ["Rows", "Top", "empty_top", "merge_tops", "update_top"]
+__all__ = [
+    "Batch",
+    "Rows",
+    "Top",
+    "begin_top",
+    "candidates",
+    "empty_top",
+    "finish_top",
+    "join_entries",
+    "merge_tops",
+    "update_top",
+]
 
 _EMPTY = float("-inf")
 _CHUNK = 1 << 22  # values looked at a time for a batch's k-th best: bounds its memory
-
-
-class Rows(NamedTuple):
-    """One batch as rows: ``values`` ``(N, U)``, each row's dataset ``index`` and token
-    ``position`` (``(N,)`` int64; -1 for rows that are whole samples) and token ``ids``
-    (``(N,)`` int64, or ``None``). A window of tokens around a row is found among the rows
-    of the same index at neighbouring positions."""
-
-    values: Tensor
-    indices: Tensor
-    positions: Tensor
-    ids: Tensor | None = None
 
 
 class Top(NamedTuple):
@@ -87,66 +91,131 @@ def update_top(top: Top, rows: Rows, above: float | None = None) -> Top:
     units, k = top.values.shape
     if rows.values.shape[0] == 0 or k == 0 or units == 0:
         return top
-    values = rows.values if rows.values.dtype == torch.float64 else rows.values.float()
-    ordered = _ordered(rows)
-    rank = torch.empty_like(ordered.order)
-    rank[ordered.order] = torch.arange(rank.numel(), device=rank.device)
-    again = _seen_before(ordered)  # per row: the same index and position as an earlier one
-    lowest = _lowest(top, values, above, k, again)
-    row, unit = (values >= lowest).nonzero(as_tuple=True)  # NaN never is
-    value = values[row, unit]
-    keep = value > _EMPTY if bool(lowest.min() == _EMPTY) else None  # -inf: never an example
-    if again is not None:
-        keep = ~again[row] if keep is None else keep & ~again[row]
-    if keep is not None:
+    batch = begin_top(top, rows, above)
+    lowest = _lowest(rows.values, batch)  # the batch's k-th best: no chunk needs a bound
+    batch = batch._replace(lowest=lowest, unfilled=None)
+    parts = [
+        candidates(batch, chunk, start, *above_cut(chunk, batch.lowest))
+        for start, chunk in chunks(rows.values)
+    ]
+    return finish_top(top, rows.values, batch, *join_entries(parts))
+
+
+class Batch(NamedTuple):
+    """What the top needs of one batch besides its values: its rows in (index, position)
+    order, the rows seen before in it (``None``: none), per unit the lowest value that may
+    still fill a slot (in ``work``, the dtype the slots compare in) and the one above
+    ``above`` (``None``: no such bound), and the units whose slots are not all filled."""
+
+    ordered: Ordered
+    again: Tensor | None
+    lowest: Tensor
+    floor: float | None
+    unfilled: Tensor | None
+    work: torch.dtype
+    k: int
+
+
+def begin_top(top: Top, rows: Rows, above: float | None) -> Batch:
+    """A batch's :class:`Batch`, its ``lowest`` from the slots alone: the last slot's
+    value (a tie may win on its index), or the next value above ``above``."""
+    work = torch.float64 if rows.values.dtype == torch.float64 else torch.float32
+    ordered = ordered_rows(rows)
+    floor = None if above is None else float(lowest_above(above, work))  # exact in `work`
+    lowest = top.values[:, -1].to(work, copy=True)
+    if floor is not None:
+        lowest = lowest.clamp(min=floor)
+    empty = top.values[:, -1] == _EMPTY
+    unfilled = empty if bool(empty.any()) else None
+    return Batch(ordered, ordered.again, lowest, floor, unfilled, work, top.values.shape[1])
+
+
+def candidates(
+    batch: Batch, chunk: Tensor, start: int, row: Tensor, unit: Tensor, value: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``(row, unit, value)`` entries of the batch's rows ``start ..`` (``chunk``,
+    entries at or above every unit's ``lowest`` among them) that may fill a slot, rows
+    numbered in the batch, values in ``batch.work``: at most ``k`` a unit and chunk (and
+    their ties) for a unit whose slots are not all filled, bounded by the chunk's own
+    ``k``-th best."""
+    value = value.to(batch.work)
+    keep = (value >= batch.lowest[unit]) & (value > _EMPTY)  # -inf: never an example
+    if batch.again is not None:
+        keep &= ~batch.again[row + start]
+    row, unit, value = row[keep] + start, unit[keep], value[keep]
+    if batch.unfilled is None:
+        return row, unit, value
+    k = batch.k
+    crowded = batch.unfilled & (torch.bincount(unit, minlength=batch.lowest.numel()) > k)
+    crowded = crowded.nonzero().squeeze(1)
+    if crowded.numel():
+        again = None if batch.again is None else batch.again[start : start + chunk.shape[0]]
+        bound = torch.full_like(batch.lowest, _EMPTY)
+        bound[crowded] = _kth_best(chunk, crowded, batch.floor, k, again)
+        keep = value >= bound[unit]
         row, unit, value = row[keep], unit[keep], value[keep]
+    return row, unit, value
+
+
+def finish_top(
+    top: Top, values: Tensor, batch: Batch, row: Tensor, unit: Tensor, value: Tensor
+) -> Top:
+    """``top`` with the batch's candidates ``(row, unit, value)`` (rows numbered in the
+    batch ``values``) taken in, in place."""
+    units, k = top.values.shape
     if row.numel() == 0:
         return top
-    changed, found = _best_pairs(rank[row], unit, value, units, k)  # (S, k) sorted rows
-    held = _select(top, changed)
+    ordered = batch.ordered
+    rank = torch.empty_like(ordered.order)
+    rank[ordered.order] = torch.arange(rank.numel(), device=rank.device)
+    changed, found = _best_pairs(rank[row], unit, value, units, k, ordered.in_order)
+    held_values, held_indices, held_positions = (
+        state.index_select(0, changed) for state in (top.values, top.indices, top.positions)
+    )
+    held = Top(held_values, held_indices, held_positions, top.context_ids, top.context_values)
     empty = found < 0
     picked = found.clamp(min=0)
-    new_values = torch.where(empty, _EMPTY, values[ordered.order[picked], changed[:, None]])
+    new_values = torch.where(
+        empty, _EMPTY, values[ordered.order[picked], changed[:, None]].double()
+    )
     order, dropped = _best_order(
-        torch.cat([held.values, new_values.double()], 1),
+        torch.cat([held.values, new_values], 1),
         torch.cat([held.indices, torch.where(empty, -1, ordered.indices[picked])], 1),
         torch.cat([held.positions, torch.where(empty, -1, ordered.positions[picked])], 1),
         k,
     )
-    merged = _slots_from(held, order, dropped, ordered, values, changed, found)
-    return _replace(top, changed, merged)
+    return _slots_from(top, held, order, dropped, ordered, values, changed, found)
 
 
-def _lowest(top: Top, values: Tensor, above: float | None, k: int, again: Tensor | None) -> Tensor:
-    """Per unit, in ``values``' dtype, the lowest value of this batch that may still
-    fill a slot: the last slot's value (a tie may win on its index), or the next value
-    above ``above``; for a unit whose slots are not all filled, also the batch's own
-    ``k``-th best above ``above`` (of its rows not seen before in it): ``k`` rows of the
-    batch at or above it fill the slots first, so at most ``k`` (and ties) per unit are
-    candidates, whatever the batch."""
-    lowest = top.values[:, -1].to(values.dtype, copy=True)
-    floor = None if above is None else lowest_above(above, values.dtype)
-    if floor is not None:
-        lowest = lowest.clamp(min=floor)
-    unfilled = (top.values[:, -1] == _EMPTY).nonzero().squeeze(1)
+def _lowest(values: Tensor, batch: Batch) -> Tensor:
+    """Per unit, ``batch.lowest`` raised, for a unit whose slots are not all filled, to
+    the batch's own ``k``-th best above ``above`` (of its rows not seen before in it):
+    ``k`` rows of the batch at or above it fill the slots first, so at most ``k`` (and
+    ties) per unit are candidates, whatever the batch."""
+    lowest = batch.lowest
+    if batch.unfilled is None:
+        return lowest
+    unfilled = batch.unfilled.nonzero().squeeze(1)
     if unfilled.numel():
-        lowest[unfilled] = lowest[unfilled].maximum(_kth_best(values, unfilled, floor, k, again))
+        kth = _kth_best(values, unfilled, batch.floor, batch.k, batch.again)
+        lowest[unfilled] = lowest[unfilled].maximum(kth)
     return lowest
 
 
 def _kth_best(
-    values: Tensor, units: Tensor, floor: Tensor | None, k: int, again: Tensor | None
+    values: Tensor, units: Tensor, floor: float | None, k: int, again: Tensor | None
 ) -> Tensor:
     """Per unit of ``units``, the ``k``-th best value of the batch at or above ``floor``
     (NaN, ``-inf`` and rows ``again`` left out), ``-inf`` where fewer: found a chunk of rows
     at a time, keeping each unit's ``k`` best so far, so it needs about a chunk's memory."""
     rows = values.shape[0]
+    work = torch.float64 if values.dtype == torch.float64 else torch.float32
     if rows < k:
-        return torch.full((units.numel(),), _EMPTY, dtype=values.dtype, device=values.device)
+        return torch.full((units.numel(),), _EMPTY, dtype=work, device=values.device)
     step = max(k, _CHUNK // units.numel())  # each part has at least k rows
-    best = values.new_empty((0, units.numel()))
+    best = values.new_empty((0, units.numel()), dtype=work)
     for start in range(0, rows, step):
-        part = values[start : start + step].index_select(1, units)  # a copy: changed below
+        part = values[start : start + step].index_select(1, units).to(work)  # changed below
         part.nan_to_num_(nan=_EMPTY, posinf=float("inf"), neginf=_EMPTY)
         if floor is not None:
             part.masked_fill_(part < floor, _EMPTY)
@@ -156,26 +225,25 @@ def _kth_best(
     return best.amin(0)
 
 
-def _seen_before(ordered: _Ordered) -> Tensor | None:
-    """Per row of the batch, whether an earlier row has its index and position (a
-    sampler's repeat); ``None`` when no row has."""
-    twice = (ordered.indices[1:] == ordered.indices[:-1]) & (
-        ordered.positions[1:] == ordered.positions[:-1]
-    )
-    if not bool(twice.any()):
-        return None
-    again = torch.zeros_like(ordered.order, dtype=torch.bool)
-    again[ordered.order[1:][twice]] = True
-    return again
+def join_entries(parts: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``(row, unit, value)`` entries of a batch's chunks, in the chunks' order."""
+    if len(parts) == 1:
+        return parts[0]
+    row, unit, value = (torch.cat(part) for part in zip(*parts, strict=True))
+    return row, unit, value
 
 
 def _best_pairs(
-    rank: Tensor, unit: Tensor, value: Tensor, units: int, k: int
+    rank: Tensor, unit: Tensor, value: Tensor, units: int, k: int, presorted: bool = False
 ) -> tuple[Tensor, Tensor]:
     """The units with candidates and, per such unit, its best ``k`` candidates by
-    (value desc, rank) as ``(S, k)`` sorted-row numbers, -1 where fewer."""
-    order = torch.argsort(rank, stable=True)
-    order = order[torch.argsort(value[order], descending=True, stable=True)]
+    (value desc, rank) as ``(S, k)`` sorted-row numbers, -1 where fewer (``presorted``:
+    each unit's candidates come in ascending rank)."""
+    if presorted:  # each unit's candidates come in rank order already
+        order = torch.argsort(value, descending=True, stable=True)
+    else:
+        order = torch.argsort(rank, stable=True)
+        order = order[torch.argsort(value[order], descending=True, stable=True)]
     order = order[torch.argsort(unit[order], stable=True)]
     unit, rank = unit[order], rank[order]
     counts = torch.bincount(unit, minlength=units)
@@ -192,43 +260,60 @@ def _best_pairs(
 
 
 def _slots_from(
+    top: Top,
     held: Top,
     order: Tensor,
     dropped: Tensor,
-    ordered: _Ordered,
+    ordered: Ordered,
     values: Tensor,
     units: Tensor,
     found: Tensor,
 ) -> Top:
-    """The slots ``order`` picks among ``held``'s (numbers below k) and the batch's
-    ``found`` rows (k and above), windows computed for the batch's alone."""
+    """``top`` with the slots of ``units`` that ``order`` picks among ``held``'s (their
+    values, indices and positions; numbers below k) and the batch's ``found`` rows (k and
+    above), in place: a window is copied only where its slot's example changes, and
+    computed for the batch's examples alone."""
     k = held.values.shape[1]
     mine = order < k
     own = order.clamp(max=k - 1)
     row = found.gather(1, (order - k).clamp(min=0)).clamp(min=0)  # sorted-row numbers
     new_values = values[ordered.order[row], units[:, None]].double()
-    slots = Top(
-        torch.where(mine, held.values.gather(1, own), new_values),
-        torch.where(mine, held.indices.gather(1, own), ordered.indices[row]),
-        torch.where(mine, held.positions.gather(1, own), ordered.positions[row]),
-        _gather(held.context_ids, own),
-        _gather(held.context_values, own),
-    )
-    span = held.context_ids.shape[2]
-    fresh = ~mine & (slots.values > _EMPTY)
-    if span and bool(fresh.any()):
-        at = row[fresh]
-        near = _neighbours(ordered, at, span // 2)  # (M, span), -1: no such token
+    slot_values = torch.where(mine, held.values.gather(1, own), new_values)
+    gone = dropped | (slot_values == _EMPTY)
+    stays = mine & (own == torch.arange(k, device=own.device)) & ~gone
+    moved = (~stays).view(-1).nonzero().squeeze(1)  # slots whose window changes
+    span = top.context_ids.shape[2]
+    first = units[:, None] * k
+    into = (first + torch.arange(k, device=own.device)).view(-1)[moved]
+    source = (first + own).view(-1)[moved]
+    context_ids = top.context_ids.view(-1, span).index_select(0, source)  # (M, span)
+    context_values = top.context_values.view(-1, span).index_select(0, source)
+    fresh = (~mine & ~gone).view(-1)[moved].nonzero().squeeze(1)
+    if fresh.numel():
+        near = neighbours(ordered, row.view(-1)[moved[fresh]], span // 2)  # -1: no token
         inside = near >= 0
         safe = near.clamp(min=0)
         ids = ordered.ids
-        slots.context_ids[fresh] = (
+        context_ids[fresh] = (
             torch.where(inside, ids[safe], -1) if ids is not None else near.clamp(max=-1)
         )
-        unit = units[:, None].expand_as(fresh)[fresh]
+        unit = units[moved[fresh] // k]
         near_values = values[ordered.order[safe], unit[:, None]].float()
-        slots.context_values[fresh] = torch.where(inside, near_values, torch.nan)
-    return _emptied(slots, dropped | (slots.values == _EMPTY))
+        context_values[fresh] = torch.where(inside, near_values, torch.nan)
+    emptied = gone.view(-1)[moved, None]
+    top.context_ids.view(-1, span).index_copy_(0, into, context_ids.masked_fill_(emptied, -1))
+    top.context_values.view(-1, span).index_copy_(
+        0, into, context_values.masked_fill_(emptied, torch.nan)
+    )
+    indices = torch.where(mine, held.indices.gather(1, own), ordered.indices[row])
+    positions = torch.where(mine, held.positions.gather(1, own), ordered.positions[row])
+    for state, new in (
+        (top.values, slot_values.masked_fill(gone, _EMPTY)),
+        (top.indices, indices.masked_fill(gone, -1)),
+        (top.positions, positions.masked_fill(gone, -1)),
+    ):
+        state.index_copy_(0, units, new)
+    return top
 
 
 def merge_tops(tops: Top) -> Top:
@@ -241,61 +326,20 @@ def merge_tops(tops: Top) -> Top:
     return _emptied(Top(*(_gather(state, order) for state in joined)), dropped)
 
 
-class _Ordered(NamedTuple):
-    """A batch's rows sorted by (index, position): the order, and per sorted row its
-    sample number (0, 1, ... by index), position, dataset index and token id."""
-
-    order: Tensor
-    sample: Tensor
-    positions: Tensor
-    indices: Tensor
-    ids: Tensor | None
-
-
-def _ordered(rows: Rows) -> _Ordered:
-    index, position = rows.indices, rows.positions
-    order = torch.argsort(position, stable=True)
-    order = order[torch.argsort(index[order], stable=True)]
-    index, position = index[order], position[order]
-    sample = torch.unique_consecutive(index, return_inverse=True)[1]
-    ids = None if rows.ids is None else rows.ids[order]
-    return _Ordered(order, sample, position, index, ids)
-
-
-def _neighbours(ordered: _Ordered, picked: Tensor, width: int) -> Tensor:
-    """For each picked sorted row, the sorted-row numbers of the same sample's tokens at
-    positions ``-width .. width`` around it, -1 where that token is not among the rows."""
-    span = ordered.positions.max() - ordered.positions.min() + 2 * width + 1
-    base = ordered.positions.min() - width
-    key = ordered.sample * span + (ordered.positions - base)  # ascending: rows are sorted
-    offsets = torch.arange(-width, width + 1, device=picked.device)
-    at = ordered.sample[picked] * span + (ordered.positions[picked] - base)
-    wanted = at[..., None] + offsets
-    where = torch.searchsorted(key, wanted).clamp(max=key.numel() - 1)
-    return torch.where(key[where] == wanted, where, -1)
-
-
-def _select(top: Top, units: Tensor) -> Top:
-    return Top(*(state[units] for state in top))
-
-
-def _replace(top: Top, units: Tensor, part: Top) -> Top:
-    """``top`` with the slots of ``units`` replaced by ``part``'s, in place."""
-    for state, new in zip(top, part, strict=True):
-        state[units] = new
-    return top
-
-
 def _best_order(
     values: Tensor, indices: Tensor, positions: Tensor, k: int
 ) -> tuple[Tensor, Tensor]:
     """Per unit, the ``k`` best of its slots side by side, as slot numbers in slot order,
     and which of them to empty: a row seen twice (same value, index and position, next
-    to each other once sorted) keeps its first."""
-    order = torch.argsort(positions, dim=1, stable=True)
-    order = order.gather(1, torch.argsort(indices.gather(1, order), dim=1, stable=True))
+    to each other once sorted) keeps its first. Sorted by value alone where no two
+    values (but empty slots) are equal: the same order."""
+    order = torch.argsort(values, dim=1, descending=True, stable=True)
     value = values.gather(1, order)
-    order = order.gather(1, torch.argsort(value, dim=1, descending=True, stable=True))
+    if bool(((value[:, 1:] == value[:, :-1]) & (value[:, 1:] > _EMPTY)).any()):
+        order = torch.argsort(positions, dim=1, stable=True)  # ties: by index, position
+        order = order.gather(1, torch.argsort(indices.gather(1, order), dim=1, stable=True))
+        value = values.gather(1, order)
+        order = order.gather(1, torch.argsort(value, dim=1, descending=True, stable=True))
     index, position = indices.gather(1, order), positions.gather(1, order)
     twice = (
         (index[:, 1:] == index[:, :-1])

@@ -18,14 +18,24 @@ Examples:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Density", "empty_density", "lowest_above", "update_density"]
+__all__ = [
+    "Density",
+    "above_cut",
+    "chunks",
+    "count_active",
+    "empty_density",
+    "lowest_above",
+    "update_density",
+]
 
 _CHUNK = 1 << 22  # values looked at a time: bounds the memory of the active positions
+_BLOCK = 8  # rows whose largest value per unit is compared first (see `above_cut`)
 
 
 class Density(NamedTuple):
@@ -63,23 +73,75 @@ def lowest_above(bound: float, dtype: torch.dtype) -> Tensor:
     return near
 
 
+def chunks(values: Tensor) -> Iterator[tuple[int, Tensor]]:
+    """``(first row, rows)`` of ``values`` ``(N, U)``, about ``_CHUNK`` values at a time."""
+    step = max(1, _CHUNK // max(values.shape[1], 1))
+    for start in range(0, values.shape[0], step):
+        yield start, values[start : start + step]
+
+
+def above_cut(values: Tensor, cut: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(row, unit, value)`` of the entries of ``values`` ``(N, U)`` at or above ``cut``
+    (a number of ``values``' dtype, compared in it, or a ``(U,)`` tensor, one per unit,
+    compared in the wider of the two dtypes; NaN never is), each unit's in ascending
+    rows.
+
+    Sparse values are found a block of ``_BLOCK`` rows at a time: a block's largest value
+    per unit says whether any of its rows can be (a NaN among them: maybe), and only the
+    rows of those blocks are compared, one pass over ``values`` and a small one over the
+    rest instead of a scan of every value; dense ones (more than a quarter of the blocks
+    hold some) directly."""
+    rows, units = values.shape
+    values = values.contiguous()
+    whole = rows - rows % _BLOCK
+    found = []
+    if whole and units:
+        blocks = values[:whole].view(whole // _BLOCK, _BLOCK, units).amax(1)
+        hit = (~(blocks < cut)).view(-1).nonzero().squeeze(1)
+        if hit.numel() * 4 <= blocks.numel():
+            block, unit = hit // units, hit % units
+            offsets = torch.arange(0, _BLOCK * units, units, device=values.device)
+            at = ((block * (_BLOCK * units) + unit)[:, None] + offsets).view(-1)
+            value = values.view(-1).index_select(0, at)
+            each = cut[at % units] if isinstance(cut, Tensor) and cut.dim() == 1 else cut
+            kept = (value >= each).nonzero()
+            at = at[kept.squeeze(1)]
+            found.append((at // units, at % units, value[kept.squeeze(1)]))
+        else:
+            whole = 0
+    if whole < rows or not found:
+        row, unit = (values[whole:] >= cut).nonzero(as_tuple=True)
+        found.append((row + whole, unit, values[whole:][row, unit]))
+    if len(found) == 1:
+        return found[0]
+    return tuple(torch.cat(part) for part in zip(*found, strict=True))  # type: ignore[return-value]
+
+
+def count_active(
+    state: Density, unit: Tensor, value: Tensor, log10_range: tuple[float, float]
+) -> Density:
+    """``state`` with the active entries ``(unit, value)`` of some rows counted (each
+    unit's in the order of its rows; ``rows`` unchanged)."""
+    units, bins = state.histogram.shape
+    low, high = log10_range
+    width = (high - low) / bins
+    value = value.double()
+    active = state.active + torch.bincount(unit, minlength=units)
+    active_sum = state.active_sum.index_add(0, unit, value)
+    magnitude = torch.where(value > 0, value, 0).log10()  # -inf for zero and below
+    slot = ((magnitude - low) / width).clamp(0, bins - 1).floor().long()
+    histogram = state.histogram.view(-1) + torch.bincount(
+        unit * bins + slot, minlength=units * bins
+    )
+    return Density(state.rows, active, active_sum, histogram.view(units, bins))
+
+
 def update_density(
     state: Density, values: Tensor, threshold: float, log10_range: tuple[float, float]
 ) -> Density:
     """``state`` with the rows ``values`` ``(N, U)`` counted."""
-    units, bins = state.histogram.shape
-    low, high = log10_range
-    width = (high - low) / bins
-    active, active_sum, histogram = state.active, state.active_sum, state.histogram.flatten()
-    step = max(1, _CHUNK // max(units, 1))
-    lowest = lowest_above(threshold, values.dtype)
-    for start in range(0, values.shape[0], step):
-        chunk = values[start : start + step]
-        row, unit = (chunk >= lowest).nonzero(as_tuple=True)
-        value = chunk[row, unit].double()
-        active = active + torch.bincount(unit, minlength=units)
-        active_sum = active_sum.index_add(0, unit, value)
-        magnitude = torch.where(value > 0, value, 0).log10()  # -inf for zero and below
-        slot = ((magnitude - low) / width).clamp(0, bins - 1).floor().long()
-        histogram = histogram + torch.bincount(unit * bins + slot, minlength=units * bins)
-    return Density(state.rows + values.shape[0], active, active_sum, histogram.view(units, bins))
+    lowest = float(lowest_above(threshold, values.dtype))  # a number: nothing to copy
+    for _, chunk in chunks(values):
+        _, unit, value = above_cut(chunk, lowest)
+        state = count_active(state, unit, value, log10_range)
+    return state._replace(rows=state.rows + values.shape[0])

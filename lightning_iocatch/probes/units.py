@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from lightning_iocatch.probes.base import _checked_tokens, _kept, _ProbeMetric, masked_by
-from lightning_iocatch.probes.top_examples import Rows, Top, empty_top, merge_tops, update_top
-from lightning_iocatch.probes.unit_density import Density, empty_density, update_density
+from lightning_iocatch.probes.top_examples import Rows, Top, empty_top, merge_tops
+from lightning_iocatch.probes.unit_density import Density, empty_density
+from lightning_iocatch.probes.unit_pass import update_units
 from lightning_iocatch.probes.unit_summary import UnitSummary
 from lightning_iocatch.token_mask import token_coordinates
 
@@ -221,12 +222,18 @@ class UnitActivations(_ProbeMetric):
                     f"UnitActivations: `{name}` has shape {tuple(given.shape)} for values of "
                     f"(batch, seq) = {(samples, seq)}"
                 )
-        counted = mask if keep is None else mask & keep[:, None]
-        sample, column = counted.nonzero(as_tuple=True)
         device = values.device
-        ids = None if token_ids is None else token_ids.to(device, torch.int64)[sample, column]
-        position = positions.to(device, torch.int64)[sample, column]
-        return Rows(values[sample, column], index[sample], position, ids)
+        flat = values.flatten(0, 1)  # a view where it can be (an empty batch too)
+        if real is None and keep is None:  # every token counts: the rows as they are
+            at = None
+            sample = torch.arange(samples, device=device).repeat_interleave(seq)
+        else:
+            counted = mask if keep is None else mask & keep[:, None]
+            at = counted.reshape(-1).nonzero().squeeze(1)  # sample * seq + column
+            sample, flat = at // seq, flat.index_select(0, at)
+        position = _tokens_at(positions.to(device, torch.int64), at)
+        ids = None if token_ids is None else _tokens_at(token_ids.to(device, torch.int64), at)
+        return Rows(flat, index[sample], position, ids)
 
     def _index(self, batch: Any, indices: Any, samples: int, device: torch.device) -> Tensor:
         """Each sample's dataset index: ``indices`` where known, else ``index(batch)``; when
@@ -263,8 +270,10 @@ class UnitActivations(_ProbeMetric):
             )
         if rows.values.shape[0] == 0:
             return
-        self._set(update_top(self._top(), rows, self.above))
-        self._set(update_density(self._density(), rows.values, self.threshold, self.log10_range))
+        states = update_units(self._top(), self._density(), rows, above=self.above,
+                              threshold=self.threshold, log10_range=self.log10_range)  # fmt: skip
+        for state in states:
+            self._set(state)
 
     def _top(self) -> Top:
         return Top(*(getattr(self, name) for name in _TOP))
@@ -368,6 +377,12 @@ def _placement_of(of: Any, values: Tensor) -> tuple[torch.device, torch.dtype]:
             if parameter.is_floating_point():
                 return parameter.device, parameter.dtype
     return values.device, values.dtype
+
+
+def _tokens_at(given: Tensor, at: Tensor | None) -> Tensor:
+    """The ``(batch, seq)`` ``given`` of the tokens ``at`` (flat numbers; ``None``: all)."""
+    flat = given.reshape(-1)
+    return flat if at is None else flat.index_select(0, at)
 
 
 def _per_row(given: Tensor | None, rows: int, device: torch.device, default: int = -1) -> Tensor:

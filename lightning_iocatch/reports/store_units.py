@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning_iocatch.probes.unit_summary import UnitSummary
 from lightning_iocatch.probes.units import UnitActivations
 from lightning_iocatch.store.reader import FeatureStore
+from lightning_iocatch.store.stored_batches import RowBatch
 
 __all__ = ["summarize_store"]
 
@@ -41,8 +42,9 @@ def summarize_store(
     """``probe`` (default ``UnitActivations()``) over every row of ``key`` in ``store``.
 
     Reads each stored batch once, in commit order (:meth:`FeatureStore.row_batches`),
-    and feeds it in steps of about ``rows_per_step`` rows cut between samples, so a
-    sample's tokens (and an example's window) are always seen together. Token rows
+    and feeds the rows in steps of about ``rows_per_step`` rows cut between samples
+    (smaller stored batches joined), so a sample's tokens (and an example's window) are
+    always seen together. Token rows
     carry their dataset index, position and token id; a store of one row per sample
     gives examples without positions. The result does not depend on the batches the
     store was written in, nor on ``rows_per_step``.
@@ -71,6 +73,7 @@ def summarize_store(
     probe.reset()
     distributed = dist.is_available() and dist.is_initialized()
     share = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    pending: list[RowBatch] = []  # stored batches smaller than a step, fed together
     for batch in store.row_batches(key, share):
         if batch.rows.dim() > 2:
             raise ValueError(
@@ -79,14 +82,41 @@ def summarize_store(
                 "token, or give the probe the sequences with their mask (probe.update(..., "
                 "tokens=attention_mask))"
             )
-        for start, stop in _steps(batch.indices, rows_per_step):
-            probe.update(
-                batch.rows[start:stop],
-                indices=batch.indices[start:stop],
-                positions=None if batch.positions is None else batch.positions[start:stop],
-                token_ids=None if batch.token_ids is None else batch.token_ids[start:stop],
-            )
+        if pending and pending[0].rows.shape[1:] != batch.rows.shape[1:]:
+            _feed(probe, _joined(pending), rows_per_step)  # the probe refuses the new width
+            pending = []
+        pending.append(batch)
+        if sum(len(part.indices) for part in pending) >= rows_per_step:
+            _feed(probe, _joined(pending), rows_per_step)
+            pending = []
+    if pending:
+        _feed(probe, _joined(pending), rows_per_step)
     return probe.compute().with_key(key)
+
+
+def _feed(probe: UnitActivations, batch: RowBatch, rows_per_step: int) -> None:
+    """``batch`` into ``probe`` in steps of about ``rows_per_step`` rows."""
+    for start, stop in _steps(batch.indices, rows_per_step):
+        probe.update(
+            batch.rows[start:stop],
+            indices=batch.indices[start:stop],
+            positions=None if batch.positions is None else batch.positions[start:stop],
+            token_ids=None if batch.token_ids is None else batch.token_ids[start:stop],
+        )
+
+
+def _joined(batches: list[RowBatch]) -> RowBatch:
+    """Stored batches as one (each holds whole samples: so does the whole)."""
+    if len(batches) == 1:
+        return batches[0]
+
+    def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if parts[0] is None else torch.cat(parts)  # type: ignore[arg-type]
+
+    indices = torch.cat([part.indices for part in batches])
+    rows = torch.cat([part.rows for part in batches])
+    positions = cat([part.positions for part in batches])
+    return RowBatch(indices, positions, cat([part.token_ids for part in batches]), rows)
 
 
 def _steps(index: torch.Tensor, size: int) -> list[tuple[int, int]]:

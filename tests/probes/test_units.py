@@ -335,10 +335,10 @@ def test_a_large_batch_gives_each_unfilled_unit_at_most_k_candidates(
     best_pairs = top_examples._best_pairs
 
     def counted(
-        rank: torch.Tensor, unit: torch.Tensor, value: torch.Tensor, units: int, k: int
+        rank: torch.Tensor, unit: torch.Tensor, value: torch.Tensor, units: int, k: int, *rest
     ) -> tuple[torch.Tensor, torch.Tensor]:
         candidates.append(value.numel())
-        return best_pairs(rank, unit, value, units, k)
+        return best_pairs(rank, unit, value, units, k, *rest)
 
     monkeypatch.setattr(top_examples, "_best_pairs", counted)
     rows, units, k = 20_000, 16, 5

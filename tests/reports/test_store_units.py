@@ -61,6 +61,7 @@ def same(a: UnitSummary, b: UnitSummary) -> None:
     for name in ("top_values", "top_index", "top_position", "context_ids", "context_values"):
         assert torch.equal(getattr(a, name).nan_to_num(-9), getattr(b, name).nan_to_num(-9))
     assert torch.equal(a.active, b.active) and torch.equal(a.histogram, b.histogram)
+    assert torch.equal(a.active_sum, b.active_sum)  # added in the rows' order: bit for bit
 
 
 def test_the_store_gives_the_lexsort_whatever_its_batches_and_steps(tmp_path: Path) -> None:
@@ -83,6 +84,19 @@ def test_the_store_gives_the_lexsort_whatever_its_batches_and_steps(tmp_path: Pa
             tmp_path / batches, KEY, UnitActivations(k=5, window=3), rows_per_step=step
         )
         same(first, other)
+
+
+def test_joined_batches_of_another_width_are_refused_by_the_probe(tmp_path: Path) -> None:
+    """Small stored batches are fed together; one of another width is not joined to
+    them but refused, as the probe refuses it."""
+    writer = ShardWriter(tmp_path, rank=0, plan=prepare_store(tmp_path, "create", {"spec": None}))
+    writer.write({"h": torch.ones(2, 3)}, indices=[0, 1])
+    writer.write({"h": torch.ones(2, 3)}, indices=[2, 3])
+    writer.write({"h": torch.ones(2, 4)}, indices=[4, 5])
+    writer.close()
+    for step in (8192, 1):
+        with pytest.raises(ValueError, match="this batch has 4 units, earlier ones 3"):
+            summarize_store(tmp_path, "h", UnitActivations(k=1, window=0), rows_per_step=step)
 
 
 def test_steps_never_cut_a_sample() -> None:

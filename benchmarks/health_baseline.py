@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-import lightning_iocatch.lightning.health_monitor as health_monitor
+import lightning_iocatch.lightning.health_transform as health_transform
 from lightning_iocatch.probes.health import EDGES
 
 
@@ -51,11 +51,17 @@ def float64_statistics(
 
 
 class Baseline(pl.Callback):
-    """For one ``fit``: the monitor's statistics by :func:`float64_statistics` (the old)."""
+    """For one ``fit``: the monitor's statistics by :func:`float64_statistics` (the old),
+    each tensor alone (none batched)."""
 
     def setup(self, *args: Any, **kwargs: Any) -> None:
-        self.kept = health_monitor.health_statistics
-        health_monitor.health_statistics = float64_statistics
+        self.kept = health_transform.health_statistics, health_transform.batched
+        health_transform.health_statistics = float64_statistics
+        health_transform.batched = _never
 
     def teardown(self, *args: Any, **kwargs: Any) -> None:
-        health_monitor.health_statistics = self.kept
+        health_transform.health_statistics, health_transform.batched = self.kept
+
+
+def _never(tensor: torch.Tensor) -> bool:
+    return False

@@ -6,11 +6,15 @@ hits all variants alike.
 
     python benchmarks/overhead.py            # full run (about a minute on 2 cores)
     python benchmarks/overhead.py --quick    # fewer repeats, for a smoke test
+    python benchmarks/overhead.py --linear8 --threads 1 --repeats 41  # that row only
 
 Rows:
 - ``idle``: a catcher exists (and a session was opened and closed before), none open.
 - ``armed``: a session captures the output of one module in the middle, to the CPU.
 - ``all_hooks_idle``: for contrast, the reference design's inert hooks on every module.
+- ``armed_extra_us``: the armed catcher's fixed cost, microseconds a forward: (the armed
+  median - 1) x the plain forward's time. ``linear8_200_layers`` (200 ``Linear(8, 8)``
+  on 64 rows, a forward of about 1 ms) is where it shows: each layer's work is tiny.
 - ``early_exit_*``: a session with ``early_exit=True`` on block 0, the middle block and
   the last block; ``share_run`` is the time of the same model with the later blocks and
   the final layer norm removed, as a fraction of the full forward (the ideal ratio).
@@ -70,7 +74,8 @@ def idle_and_armed(model: nn.Module, x: torch.Tensor, middle: str, repeats: int)
     around = {"armed": lambda: session, "all_hooks_idle": lambda: all_module_hooks(model)}
     with torch.inference_mode():
         ratios = interleaved_ratios(variants, repeats, around=around, min_seconds=0.25)
-    return {"modules": sum(1 for _ in model.modules()), **ratios}
+    extra = (ratios["armed"]["median"] - 1) * ratios["baseline_s"] * 1e6
+    return {"modules": sum(1 for _ in model.modules()), **ratios, "armed_extra_us": round(extra, 1)}
 
 
 def mlp(depth: int, width: int) -> nn.Sequential:
@@ -139,16 +144,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per variant")
+    parser.add_argument("--linear8", action="store_true", help="only 200 x Linear(8, 8)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 21)
     torch.manual_seed(0)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads or max(1, torch.get_num_threads()))
+    linear8 = nn.Sequential(*[nn.Linear(8, 8) for _ in range(200)])
+    small = {"linear8_200_layers": idle_and_armed(linear8, torch.randn(64, 8), "100", repeats)}
+    if args.linear8:
+        print(json.dumps({**run_facts(repeats=repeats), **small}, indent=2))
+        return
 
     model = gpt2()
     ids = torch.randint(0, 1024, (4, 128))
     results = {
         **run_facts(repeats=repeats),
         "mlp_200_layers": idle_and_armed(mlp(200, 256), torch.randn(64, 256), "200", repeats),
+        **small,
         "model_2000_modules": idle_and_armed(
             many_modules(2000, 32), torch.randn(16, 32), "200", repeats
         ),

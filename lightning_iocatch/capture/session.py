@@ -93,6 +93,15 @@ class CaptureSession:
         self._targets = frozenset(targets)
         self._pending: set[tuple[str, Kind]] = set(self._targets)
         self._handles: list[RemovableHandle] = []
+        self._hooks: dict[tuple[str, str], Callable[..., Any]] = {}  # made once, reopened
+
+    def _made(self, kind: str, name: str, make: Callable[..., Callable[..., Any]]) -> Any:
+        """The hook ``make(self, name)`` of ``name``'s ``kind``, made on the first open only
+        (a session opened on every watched step registers the same functions again)."""
+        hook = self._hooks.get((kind, name))
+        if hook is None:
+            hook = self._hooks[(kind, name)] = make(self, name)
+        return hook
 
     @property
     def root(self) -> nn.Module:
@@ -131,24 +140,25 @@ class CaptureSession:
             # recording reads the copy), and the edits before them: the copy is of the
             # edited value
             for name in self.grad_inputs:
-                hook = _grad_input_hook(self, name)
+                hook = self._made("grad_inputs", name, _grad_input_hook)
                 module = self.modules[name]
                 self._handles.append(
                     module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
                 )
-                self._handles.append(module.register_forward_hook(_unchanged_hook(self, name)))
+                unchanged = self._made("unchanged", name, _unchanged_hook)
+                self._handles.append(module.register_forward_hook(unchanged))
             for name in self.grad_outputs:
-                hook = _grad_output_hook(self, name)
+                hook = self._made("grad_outputs", name, _grad_output_hook)
                 self._handles.append(self.modules[name].register_forward_hook(hook, prepend=True))
             for name, kind in dict.fromkeys((edit.module, edit.kind) for edit in self.edits):
                 self._handles.append(_edit_hook(self, name, kind))  # before every capture
             for name in self.inputs:
-                hook = _input_hook(self, name)
+                hook = self._made("inputs", name, _input_hook)
                 self._handles.append(
                     self.modules[name].register_forward_pre_hook(hook, with_kwargs=True)
                 )
             for name in self.outputs:
-                hook = _output_hook(self, name)
+                hook = self._made("outputs", name, _output_hook)
                 self._handles.append(self.modules[name].register_forward_hook(hook))
         except BaseException:
             self.close()

@@ -31,8 +31,12 @@ from typing import Any
 import torch
 
 from lightning_iocatch.probes.base import _gather_tensors
+from lightning_iocatch.probes.health import HealthFigures, merge_statistics
 
-__all__ = ["HealthLayout"]
+__all__ = ["HealthLayout", "alone_figures"]
+
+Figures = tuple[dict[str, HealthFigures], dict[str, torch.Tensor]]
+"""Each key's figures and its part of the vectors read (a row a counted process)."""
 
 
 class HealthLayout:
@@ -113,6 +117,28 @@ class HealthLayout:
             start = end + 1
         return found
 
+    def gathered_figures(
+        self, strategy: Any, vectors: dict[str, torch.Tensor], counted: list[int],
+        histogram: bool,
+    ) -> Figures:  # fmt: skip
+        """The figures of every process's statistics, gathered in one collective (the
+        ``counted`` processes' rows: each sample once) and merged; a process that saw a
+        key the layout lacks makes every process agree again on the next step."""
+        flat = self.pack(vectors, strategy.root_device)
+        gathered = _gather_tensors(flat).reshape(strategy.world_size, -1).cpu()
+        gathered = gathered[counted]
+        blocks = self.unpack(gathered)
+        if self.any_unknown(gathered):
+            self.forget()
+        figures: dict[str, HealthFigures] = {}
+        parts: dict[str, torch.Tensor] = {}
+        for key, (part, units_valid) in blocks.items():
+            merged = merge_statistics(part)
+            found = HealthFigures.of(merged if units_valid else merged[: self.head], histogram)
+            if found.count or found.nan or found.inf:  # not a key no process saw
+                figures[key], parts[key] = found, part
+        return figures, parts
+
     @staticmethod
     def any_unknown(gathered: torch.Tensor) -> bool:
         """Whether a process saw keys the layout lacks or a width that does not fit it
@@ -133,3 +159,31 @@ def _gather_objects(strategy: Any, value: Any) -> list[Any]:
         json.loads(bytes(row[:size].tolist()).decode())
         for row, size in zip(every, sizes, strict=True)
     ]
+
+
+def alone_figures(
+    device: torch.device | str, vectors: dict[str, torch.Tensor], histogram: bool
+) -> Figures:
+    """The figures of one process's statistics (the only process: nothing to agree on or
+    merge), keys in a layout's order, read off the device in one transfer a vector length.
+
+    Examples:
+        >>> from lightning_iocatch.probes.health import health_statistics
+        >>> figures, _ = alone_figures("cpu", {"a": health_statistics(torch.ones(2))}, False)
+        >>> figures["a"].count, figures["a"].mean
+        (2, 1.0)
+    """
+    keys = sorted(vectors)
+    by_length: dict[int, list[str]] = {}  # vectors of one length read together
+    for key in keys:
+        by_length.setdefault(len(vectors[key]), []).append(key)
+    found: dict[str, HealthFigures] = {}
+    for same in by_length.values():
+        stacked = torch.stack([vectors[key].to(device) for key in same])
+        found.update(zip(same, HealthFigures.of_many(stacked, histogram), strict=True))
+    figures: dict[str, HealthFigures] = {}
+    parts: dict[str, torch.Tensor] = {}
+    for key in keys:
+        if found[key].count or found[key].nan or found[key].inf:  # not a key unseen
+            figures[key], parts[key] = found[key], vectors[key][None]
+    return figures, parts

@@ -3,12 +3,15 @@
 On the first optimizer step of a fit (a resumed one's too) and every ``every_n_steps``-th
 step (0, N, 2N, ...), the monitor opens a capture session on the LightningModule for that
 step's batches (every micro-batch of a step under gradient accumulation) and closes it at
-the step's end: between watched steps nothing is registered. Each captured tensor of the
+the step's end: between watched steps nothing is registered (the session, its names
+resolved, is made once a fit; opening it registers its hooks). Each captured tensor of the
 spec (``outputs[...]``, ``inputs[...]``, and the gradients ``grad_outputs[...]``,
 ``grad_inputs[...]``, taken in the training step's own backward; under a GradScaler
 divided by its scale) is reduced on its device to a small statistics vector
 (:func:`~lightning_iocatch.probes.health.health_statistics`, real tokens only where the
-batch has an ``attention_mask``); at the step's end the vectors of every process are
+batch has an ``attention_mask``; small tensors are copied into blocks and reduced
+together at the batch's end: :mod:`~lightning_iocatch.lightning.health_transform`); at
+the step's end the vectors of every process are
 gathered in one collective (in the layout of
 :mod:`~lightning_iocatch.lightning.health_layout`, agreed once), merged, and logged
 through Lightning for each flat key ``k``: ``{prefix}/{k}/mean``, ``/rms``, ``/absmax``,
@@ -46,10 +49,9 @@ from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.capture.session import CaptureSession
 from lightning_iocatch.capture.spec import CaptureSpec
 from lightning_iocatch.lightning.health_histograms import log_histograms
-from lightning_iocatch.lightning.health_layout import HealthLayout
-from lightning_iocatch.lightning.health_transform import _Statistics
+from lightning_iocatch.lightning.health_layout import HealthLayout, alone_figures
+from lightning_iocatch.lightning.health_transform import StatisticsBlocks, _Statistics
 from lightning_iocatch.lightning.parallel_layout import DataParallelLayout
-from lightning_iocatch.probes.base import _gather_tensors
 from lightning_iocatch.probes.health import (
     EDGES,
     HEAD,
@@ -131,7 +133,9 @@ class ActivationMonitor(pl.Callback):
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, its figures)
         self.nonfinite: list[dict[str, Any]] = []
         self._catcher: ModelIOCatcher | None = None
-        self._session: CaptureSession | None = None
+        self._armed: CaptureSession | None = None  # this fit's session, opened when watched
+        self._session: CaptureSession | None = None  # the session while it is open
+        self._blocks = StatisticsBlocks()  # the small tensors' float64 blocks, for a fit
         self._transform: _Statistics | None = None
         self._step = -1  # the optimizer step the watched batch began at
         self._named = -1  # the step its figures are logged at (a multiple of N in its steps)
@@ -139,7 +143,7 @@ class ActivationMonitor(pl.Callback):
         self._due, self._watched = 0, False  # the next step to watch; this batch watched
         self._began = 0  # the optimizer step the current batch began at
         self._vectors: dict[str, torch.Tensor] = {}  # flat key -> merged statistics
-        self._order: list[str] = []
+        self._order: dict[str, None] = {}  # the keys' prefixes, in the order captured
         self._rank = 0
         self._counted = [0]  # the global ranks whose statistics count
         self._batch_indices: list[int] = []  # the current batch's, with ``indices``
@@ -190,7 +194,10 @@ class ActivationMonitor(pl.Callback):
         self._layout.forget()  # the processes (maybe others than before) agree again
         self._rank = trainer.global_rank
         self._catcher = ModelIOCatcher(pl_module, None)
-        self._catcher.from_spec(self.spec)  # the names are checked before the first step
+        self._blocks.clear()
+        # the names are resolved (and checked) once, before the first step; the session
+        # is opened on each watched batch and closed at its end: its hooks exist only then
+        self._armed = self._catcher.from_spec(self.spec)
         _check_loss_scaling(trainer, self.spec)
         # one process per tensor-parallel group counts (each holds the whole values)
         counting = DataParallelLayout.of(trainer).counting
@@ -205,15 +212,19 @@ class ActivationMonitor(pl.Callback):
         if self._first is None:
             self._first = step  # 0, or the step a checkpoint resumes at
         self._watched = False
-        if not (self._due_now(step) or step == self._first) or self._catcher is None:
+        if not (self._due_now(step) or step == self._first) or self._armed is None:
             return
         self._watched = True
+        # a layer swapped since the names were resolved (LoRA, quantization): resolved again
+        if self._catcher is not None and not _same_modules(self._armed, pl_module):
+            self._armed = self._catcher.from_spec(self.spec)
         rows = real_tokens(batch, "ActivationMonitor") if self.tokens else None
         self._batch_indices = [] if self.indices is None else [int(i) for i in self.indices(batch)]
         samples = len(self._batch_indices) if self.indices is not None else None
-        self._transform = _Statistics(rows, self.histograms, samples)
-        self._session = self._catcher.from_spec(self.spec, transform=self._transform)
-        self._session.open()
+        self._transform = _Statistics(rows, self.histograms, samples, self._blocks)
+        self._armed.take(transform=self._transform)  # a fresh buffer, with this transform
+        self._armed.open()
+        self._session = self._armed
         if self._step < 0:  # the step's first batch (not a later micro-batch of it)
             first = step == self._first and not self._due_now(step)
             self._named = step if first else max(step, self._due)  # the step due, or later
@@ -244,7 +255,9 @@ class ActivationMonitor(pl.Callback):
         finally:
             session.close()
         transform, self._transform = self._transform, None
-        for key, vector in flatten_captures(captured).items():
+        for key, held_vector in flatten_captures(captured).items():
+            # a small tensor's place: its block is reduced now, all in one call
+            vector = held_vector if transform is None else transform.vector(held_vector)
             if vector.numel() == 0:
                 continue
             held = self._vectors.get(key)
@@ -254,10 +267,11 @@ class ActivationMonitor(pl.Callback):
                 vector if held is None else merge_statistics(torch.stack([held, vector]))
             )
         if transform is not None:
-            self._order += [place for place in transform.order if place not in self._order]
+            self._order.update(transform.order)  # the first capture's place kept
             if self.indices is not None:
                 self._samples.append((self._batch_indices, transform.bad_rows))
         self._batch_indices = []
+        self._blocks.keep_used()
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
@@ -278,6 +292,10 @@ class ActivationMonitor(pl.Callback):
         if self._step >= 0:
             self._finish(trainer, pl_module)
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._armed = None
+        self._blocks.clear()
+
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
@@ -286,6 +304,8 @@ class ActivationMonitor(pl.Callback):
             session.discard_gradients()  # the exception is the news, not "no backward"
             session.close()
         self._forget()
+        self._armed = None
+        self._blocks.clear()
 
     def _loss_scale(self, trainer: pl.Trainer, loss: torch.Tensor) -> torch.Tensor | None:
         """The scale a GradScaler multiplied this backward's loss by, a copy on the device
@@ -309,7 +329,7 @@ class ActivationMonitor(pl.Callback):
 
     def _forget(self) -> None:
         """Drop a step's statistics not logged yet (a fit stopped in the middle of it)."""
-        self._step, self._vectors, self._order, self._batch_indices = -1, {}, [], []
+        self._step, self._vectors, self._order, self._batch_indices = -1, {}, {}, []
         self._samples, self._named = [], -1
         self._scaled, self._overflows = False, []
         self._session, self._transform = None, None
@@ -319,7 +339,7 @@ class ActivationMonitor(pl.Callback):
         the processes agreed on), log them, and trace a non-finite value to its first place."""
         step, self._step, self._named = self._named, -1, -1
         vectors, self._vectors = self._vectors, {}
-        order, self._order = self._order, []
+        order, self._order = list(self._order), {}
         samples, self._samples = self._samples, []
         scaled, self._scaled = self._scaled, False
         skipped = scaled and self._skipped()
@@ -327,24 +347,14 @@ class ActivationMonitor(pl.Callback):
         several = trainer.world_size > 1
         if scaled and several:  # a process sees only its gradients (FSDP shards them):
             skipped = strategy.reduce_boolean_decision(skipped, all=False)  # as the scaler
-        if self._layout.widths is None or not several:  # alone: nothing to agree on
-            self._layout.agree(strategy if several else None, vectors)
-        flat = self._layout.pack(vectors, strategy.root_device)
-        gathered = _gather_tensors(flat) if several else flat
-        gathered = gathered.reshape(max(trainer.world_size, 1), -1).cpu()  # the figures
-        gathered = gathered[self._counted] if several else gathered  # each sample once
-        blocks = self._layout.unpack(gathered)
-        if self._layout.any_unknown(gathered):  # a process saw a key the layout lacks
-            self._layout.forget()
-        figures: dict[str, HealthFigures] = {}
-        parts: dict[str, torch.Tensor] = {}
-        for key, (part, units_valid) in blocks.items():
-            merged = merge_statistics(part)
-            found = HealthFigures.of(
-                merged if units_valid else merged[: self._head()], self.histograms
+        if several:  # one collective, in the layout the processes agreed on
+            if self._layout.widths is None:
+                self._layout.agree(strategy, vectors)
+            figures, parts = self._layout.gathered_figures(
+                strategy, vectors, self._counted, self.histograms
             )
-            if found.count or found.nan or found.inf:  # not a key no process saw
-                figures[key], parts[key] = found, part
+        else:  # alone: nothing to agree on or merge, one transfer off the device
+            figures, parts = alone_figures(strategy.root_device, vectors, self.histograms)
         if not figures:
             return
         logged = {
@@ -358,9 +368,9 @@ class ActivationMonitor(pl.Callback):
             logged[f"{self.prefix}/grad_overflow"] = float(skipped)
         for logger in trainer.loggers:  # at the watched step only, in float64 (pl_module.log
             logger.log_metrics(logged, step=step)  # would repeat it until the epoch ends)
-        trainer.callback_metrics.update(  # for EarlyStopping and ModelCheckpoint
-            {name: torch.tensor(value, dtype=torch.float64) for name, value in logged.items()}
-        )
+        # for EarlyStopping and ModelCheckpoint: one tensor a figure, made at once
+        values = torch.tensor(list(logged.values()), dtype=torch.float64).unbind()
+        trainer.callback_metrics.update(zip(logged, values, strict=True))
         self.last_values = logged
         self.history.append((step, logged))
         del self.history[: -self.history_size]
@@ -448,3 +458,14 @@ def _check_loss_scaling(trainer: pl.Trainer, spec: CaptureSpec) -> None:
             "watched gradients would be those of the scaled loss: watch outputs or inputs "
             "only, or train in 'bf16-mixed' or '32-true'"
         )
+
+
+def _same_modules(session: CaptureSession, root: torch.nn.Module) -> bool:
+    """Whether each module ``session`` hooks is still the one at its name in ``root``."""
+    for name, module in session.modules.items():
+        try:
+            if root.get_submodule(name) is not module:
+                return False
+        except AttributeError:  # the name is gone
+            return False
+    return True

@@ -4,9 +4,8 @@ The processes agree on the statistics' layout on the first watched step and afte
 process saw a key the layout lacked; every other watched step costs one ``all_gather``,
 counted at ``torch.distributed`` (what Lightning's strategy calls). Each process also
 records its own activations with plain hooks; the truth is NumPy float64 over both
-processes' arrays. The run is this file as a script:
-
-    python tests/lightning/test_health_layout.py OUT_DIR
+processes' arrays. The run is ``main``, in the shared 2-process launch of
+tests/ddp_scenarios.py.
 
 The model's two parameterless probes (outside the loss) make the awkward cases:
 ``extra`` runs on process 1 only, on steps 1 and 2 (a key the layout agreed on step 0
@@ -21,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import pickle
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,7 @@ from lightning_iocatch.probes.health import (
     health_statistics,
     merge_statistics,
 )
-from tests.conftest import run_script
+from tests.ddp_scenarios import ranks_of
 from tests.lightning.health_truth import BLOCKS, Recorder, Regression, dataset, figures, trainer
 
 SPEC = "outputs[model.layers.*|ragged|extra]|grad_outputs[model.layers.*]"
@@ -76,8 +74,10 @@ class Counted(pl.Callback):
         self.per_step[trainer.global_step - 1] = self.calls[self.start :]
 
 
-def counting(calls: list[str]) -> None:
-    """Count every call of the collectives torch.distributed offers Lightning."""
+def counting(calls: list[str]) -> dict[str, Any]:
+    """Count every call of the collectives torch.distributed offers Lightning; the real
+    functions, to put back."""
+    reals = {name: getattr(dist, name) for name in COLLECTIVES}
     for name in COLLECTIVES:
         real = getattr(dist, name)
 
@@ -86,6 +86,7 @@ def counting(calls: list[str]) -> None:
             return _real(*args, **kwargs)
 
         setattr(dist, name, wrapper)
+    return reals
 
 
 class Data(pl.LightningDataModule):
@@ -95,8 +96,9 @@ class Data(pl.LightningDataModule):
 
 
 def main(out: Path) -> None:
+    """One process of the 2-process run (in the shared launch of tests/ddp_scenarios.py)."""
     calls: list[str] = []
-    counting(calls)
+    reals = counting(calls)
     monitor = ActivationMonitor(SPEC, every_n_steps=1, tokens=None)
     recorder, counted = Recorder([*BLOCKS, "ragged", "extra"]), Counted(calls)
     run = trainer(
@@ -106,6 +108,8 @@ def main(out: Path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run.fit(Probed(), train_dataloaders=Data())
+    for name, real in reals.items():  # the scenarios after this one count nothing
+        setattr(dist, name, real)
     rank = run.global_rank
     seen = {step: {k: v for k, v in keys.items()} for step, keys in recorder.seen.items()}
     (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
@@ -123,10 +127,12 @@ def main(out: Path) -> None:
 
 
 @pytest.mark.slow
-def test_one_collective_a_watched_step_and_the_figures_of_both_processes(tmp_path: Path) -> None:
-    run_script(__file__, str(tmp_path), timeout=240)
-    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    seen = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+def test_one_collective_a_watched_step_and_the_figures_of_both_processes(
+    ddp_scenarios: Path,
+) -> None:
+    out = ranks_of(ddp_scenarios, "health_layout")
+    found = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    seen = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
     assert json.dumps(found[0]["history"]) == json.dumps(found[1]["history"])  # (NaN != NaN)
     # 2 gathers to agree (step 0; step 2, after process 1 saw `extra`; step 4, after
     # `ragged`'s width did not fit on step 3), then 1 a step
@@ -224,7 +230,3 @@ def test_a_key_the_layout_lacks_is_warned_about_once_and_flagged() -> None:
         layout.pack(vectors)
     assert HealthLayout.any_unknown(first[None]) and first[-1] == 1
     assert len(first) == HEAD + 2 + 1 + 1  # a's block and its flag, then the count
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))

@@ -4,10 +4,9 @@ The truth of every test: the same training run (same seeds, same data) with plai
 instead of the monitor (:mod:`tests.lightning.health_truth`), its watched steps' outputs
 and output gradients reduced in NumPy float64. Gradient accumulation, ``torch.compile``
 (and the ``fullgraph=True`` refusal), non-reentrant activation checkpointing, 2 DDP
-processes with an uneven last batch, and FSDP-wrapped module names. The DDP and FSDP runs
-are this file run as a script:
-
-    python tests/lightning/test_health_training.py OUT_DIR ddp|fsdp
+processes with an uneven last batch (``main``, in the shared 2-process launch of
+tests/ddp_scenarios.py), and FSDP-wrapped module names (this file as a script, one
+process: ``python tests/lightning/test_health_training.py OUT_DIR``).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from lightning_iocatch.errors import CaptureError
 from lightning_iocatch.lightning import health_monitor
 from lightning_iocatch.lightning.health_monitor import ActivationMonitor
 from tests.conftest import run_script
+from tests.ddp_scenarios import ranks_of
 from tests.lightning.health_truth import (
     INNER,
     INNER_SPEC,
@@ -50,14 +50,14 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The number of values behind every figure the monitor reads, in its order (sorted
     keys per logged step): the one figure a double count would change."""
     seen: list[int] = []
-    real = health_monitor.HealthFigures.of
+    real = health_monitor.HealthFigures.of_head  # every reading goes through it
 
-    def of(vector: torch.Tensor, histogram: bool = False) -> Any:
-        found = real(vector, histogram)
+    def of_head(values: list[float], dead: int, units: int, histogram: bool = False) -> Any:
+        found = real(values, dead, units, histogram)
         seen.append(found.count)
         return found
 
-    monkeypatch.setattr(health_monitor.HealthFigures, "of", staticmethod(of))
+    monkeypatch.setattr(health_monitor.HealthFigures, "of_head", staticmethod(of_head))
     return seen
 
 
@@ -219,11 +219,11 @@ DDP_ORDER = [0, 1, 2, 3, 4, 5, 6, 0]
 
 @pytest.mark.slow
 def test_two_processes_with_an_uneven_last_batch_log_the_one_process_figures(
-    tmp_path: Path,
+    ddp_scenarios: Path,
 ) -> None:
-    run_script(__file__, str(tmp_path), "ddp", timeout=240)
-    history = [(s, v) for s, v in json.loads((tmp_path / "ddp0.json").read_text())]
-    assert json.loads((tmp_path / "ddp1.json").read_text()) == [list(h) for h in history]
+    out = ranks_of(ddp_scenarios, "health_training")
+    history = [(s, v) for s, v in json.loads((out / "ddp0.json").read_text())]
+    assert json.loads((out / "ddp1.json").read_text()) == [list(h) for h in history]
     recorder, truth = recorded([0, 1], lr=0.005, data=loader(7, 6, DDP_ORDER))
     assert_figures(history, truth, rel=1e-6)  # step 1 is after a gradient mean: rounding
     # the merge across ranks matters: rank 0 alone (samples 0, 2, 4; then 6) has other
@@ -260,7 +260,7 @@ def fsdp_run(out: Path) -> None:
 
 @pytest.mark.slow
 def test_fsdp_wrapped_blocks_are_watched_by_their_plain_names(tmp_path: Path) -> None:
-    run_script(__file__, str(tmp_path), "fsdp", timeout=240)
+    run_script(__file__, str(tmp_path), timeout=240)
     found = json.loads((tmp_path / "fsdp.json").read_text())
     assert "model._fsdp_wrapped_module.layers.1._fsdp_wrapped_module" in found["names"]
     _, truth = recorded([0, 2], data=loader(8, 2))
@@ -275,14 +275,15 @@ class DDPData(pl.LightningDataModule):
         return DataLoader(data, batch_size=3, sampler=DistributedSampler(data, shuffle=False))
 
 
+def main(out: Path) -> None:
+    """One process of the 2-process run (in the shared launch of tests/ddp_scenarios.py)."""
+    monitor = ActivationMonitor(SPEC, every_n_steps=1, tokens=None)
+    trainer([monitor], devices=2, strategy="ddp", use_distributed_sampler=False).fit(
+        Regression(lr=0.01), train_dataloaders=DDPData()
+    )
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    (out / f"ddp{rank}.json").write_text(json.dumps(monitor.history))
+
+
 if __name__ == "__main__":
-    out, mode = Path(sys.argv[1]), sys.argv[2]
-    if mode == "fsdp":
-        fsdp_run(out)
-    else:
-        monitor = ActivationMonitor(SPEC, every_n_steps=1, tokens=None)
-        trainer([monitor], devices=2, strategy="ddp", use_distributed_sampler=False).fit(
-            Regression(lr=0.01), train_dataloaders=DDPData()
-        )
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        (out / f"ddp{rank}.json").write_text(json.dumps(monitor.history))
+    fsdp_run(Path(sys.argv[1]))

@@ -1,19 +1,22 @@
 """Replaying a clean forward's module calls in a later forward of the same batch.
 
 The machinery of :class:`~lightning_iocatch.capture.variants.Variants` (see there for when
-replaying is exact): a :class:`Recorder` records every module call of one clean forward and
-the point where each variant's edits first take effect; :class:`Replaying` swaps, for one
-forward, the forwards of the calls that ended before that point for ones that return the
-clean outputs, each call checked first (:func:`same`: its arguments are the clean call's;
-version counters: nothing was modified in place since).
+replaying is exact): a :class:`Recorder` records the module calls of one clean forward
+that may be replayed alone (those of the model, of an edited module and of a module that
+holds one) and the point where each variant's edits first take effect; :class:`Replaying`
+swaps, for one forward, the forwards of the calls that ended before that point for ones that
+return the clean outputs, each call checked first (:func:`same`: its arguments are the clean
+call's; version counters: nothing was modified in place since).
 
 Under ``torch.inference_mode`` (as in Lightning's validation loop) the tensors a forward
 makes are inference tensors, which have no version counter: a call that may be replayed
 (one made by the forward itself, or by a module that holds an edited module) keeps private
 copies of the inference tensors it was given and returned, taken when it started and ended,
-its arguments are compared by value, and each replay returns fresh copies; an output that
+its arguments are compared by value, and each replay returns fresh copies (the last forward
+to replay them, a batch's last variant, gets the private copies themselves); an output that
 aliases an input tensor (``nn.Identity``, dropout in eval mode), or a call whose copies were
-not kept, is never replayed.
+not kept, is never replayed. A call that ends after every variant's edit point keeps no
+copy of its output (no variant replays it), unless outermost in a forward to be reused.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -34,6 +38,8 @@ from lightning_iocatch.capture.snapshots import map_tensors
 __all__ = ["Call", "Recorder", "Replaying", "same", "unchanged"]
 
 _SIMPLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+_NUMPY = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool}  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -59,8 +65,8 @@ class Call:
 
 
 class Recorder:
-    """Hooks on every module of a model that record its calls during one clean forward,
-    and the edit point of each variant."""
+    """Hooks that record the module calls of one clean forward (those that may be replayed
+    alone: see :func:`_recorded`), and the edit point of each variant."""
 
     def __init__(
         self,
@@ -70,7 +76,8 @@ class Recorder:
     ):
         self.points = points
         self._context = context  # taken at each outermost call's start (Call.context)
-        self._holders = _holders(model, {id(m) for found in points.values() for m, _ in found})
+        edited = {id(m) for found in points.values() for m, _ in found}
+        self._holders = _holders(model, edited)
         self.edit_at: dict[str, float] = dict.fromkeys(points, math.inf)
         self._clean = math.inf  # the edit point of no edits: the clean forward replayed
         self.top: list[Call] = []
@@ -85,8 +92,8 @@ class Recorder:
         self._events = 0
         self._handles: list[RemovableHandle] = []
         try:
-            for name, module in model.named_modules():
-                if name:
+            for module in _recorded(model, self._holders | edited):
+                if module is not model:
                     self._handles.append(
                         module.register_forward_pre_hook(self._started, with_kwargs=True)
                     )
@@ -142,7 +149,9 @@ class Recorder:
     def _ended(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         number, call = self._stack.pop() if self._stack else (0, None)
         now = self._tick()
-        if call is not None:
+        if call is not None and self._late(now, top=not self._stack):
+            call.end, call.never = now, True  # no variant replays it: its output not kept
+        elif call is not None:
             call.end, call.output = now, _copied(output, call.copied)
             call.versions += _versions(output)
             returned = _storages(output)
@@ -154,6 +163,13 @@ class Recorder:
             if not inside and not call.counted_inside:
                 call.children = []  # replayed whole wherever it is replayed
         self._mark(module, number, "outputs", now)
+
+    def _late(self, now: int, top: bool) -> bool:
+        """Whether a call ending at ``now`` ends after every variant's edit point: no variant
+        replays it, only the clean one reused replays an outermost call such as this."""
+        if (top and self._context is not None) or not self.edit_at:
+            return False
+        return all(at < now for at in self.edit_at.values())
 
     def _mark(self, module: nn.Module, number: int, kind: str, now: int) -> None:
         for variant, points in self.points.items():
@@ -189,7 +205,11 @@ class Replaying:
     With ``context`` (a forward recorded elsewhere, reused as the clean one): each call of
     ``outer`` (the recorded outermost calls, replayed or not) must find ``context()`` as it
     was recorded when it is called, and an argument compared by type only must be the very
-    object the recorded call was given; else it runs for real (:attr:`differed`)."""
+    object the recorded call was given; else it runs for real (:attr:`differed`).
+
+    ``last``: no later forward replays ``calls`` (or those of these ids): a private copy is
+    returned itself (no one sees what this forward writes into it: arguments are compared
+    with copies of their own); else each replay returns a copy of it."""
 
     def __init__(
         self,
@@ -198,7 +218,9 @@ class Replaying:
         noted: Callable[[str], None],
         context: Callable[[], Any] | None = None,
         outer: list[Call] | None = None,
+        last: bool | set[int] = False,
     ) -> None:
+        self._last = last  # no forward replays these calls after this one: no fresh copies
         self._by_module: dict[int, dict[int, Call]] = {}
         self._outer: dict[int, dict[int, Call]] = {}
         self._modules: dict[int, nn.Module] = {}
@@ -253,7 +275,8 @@ class Replaying:
                             "use_cache=False avoids it)"
                         )
                     self.replayed += 1
-                    return _copied(call.output, call.copied)  # containers anew, copies
+                    last = self._last is True or id(call) in (self._last or ())
+                    return _copied(call.output, call.copied and not last)  # containers anew
                 self.differed += 1
                 self._fell_back(
                     f"{name} was called with other arguments than in the recorded forward "
@@ -297,12 +320,26 @@ def _storages(value: Any) -> set[int]:
 
 def _holders(model: nn.Module, edited: set[int]) -> set[int]:
     """The ids of the modules of ``model`` that hold an edited module (strictly)."""
-    names = [name for name, module in model.named_modules() if id(module) in edited]
+    index = dict(model.named_modules())  # each module by its first name, parents first
     found = {id(model)}
-    for name, module in model.named_modules():
-        if name and any(other.startswith(f"{name}.") for other in names):
-            found.add(id(module))
+    for name, module in index.items():
+        if name and id(module) in edited:
+            parts = name.split(".")
+            found.update(id(index[".".join(parts[:k])]) for k in range(1, len(parts)))
     return found
+
+
+def _recorded(model: nn.Module, inside: set[int]) -> list[nn.Module]:
+    """The modules whose calls a recording hooks: those of ``model`` itself, of the modules
+    in ``inside`` (the edited modules and those that hold one) and of their children. A
+    call inside any other module is replayed or run with it, never alone: a call there
+    would be dropped when it ends (see :meth:`Recorder._ended`)."""
+    found: dict[int, nn.Module] = {}
+    for module in model.modules():
+        if module is model or id(module) in inside:
+            for child in module.children():
+                found.setdefault(id(child), child)
+    return list(found.values())
 
 
 def _opaque(value: Any) -> str | None:
@@ -326,6 +363,17 @@ def unchanged(versions: list[tuple[torch.Tensor, int | None]]) -> bool:
     return all(v is None or t._version == v for t, v in versions)
 
 
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` of two tensors of one shape, dtype and device; on the CPU through
+    NumPy where it holds the dtype (the same elementwise ``==``: a NaN is unequal, -0.0 equals
+    0.0), several times faster than ``torch.equal``'s loop."""
+    plain = type(a) is torch.Tensor and type(b) is torch.Tensor and a.device.type == "cpu"
+    plain = plain and a.dtype in _NUMPY and a.layout == b.layout == torch.strided
+    if plain and not (a.is_neg() or b.is_neg() or a.is_nested or b.is_nested):
+        return bool(np.array_equal(a.detach().numpy(), b.detach().numpy()))
+    return bool(torch.equal(a, b))
+
+
 def same(a: Any, b: Any, strict: bool = False) -> bool:
     """Whether ``a`` (a variant's argument) is the clean call's ``b``; see the module.
     ``strict``: an object that does not compare by value must be ``b`` itself, not one of
@@ -335,12 +383,7 @@ def same(a: Any, b: Any, strict: bool = False) -> bool:
             return False
         if a is b:
             return True
-        return (
-            a.shape == b.shape
-            and a.dtype == b.dtype
-            and a.device == b.device
-            and bool(torch.equal(a, b))
-        )
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and _equal(a, b)
     if type(a) is not type(b):
         return False
     if isinstance(a, (tuple, list)):

@@ -188,10 +188,10 @@ class Variants:
                     outputs = {CLEAN: forward()}
                 finally:
                     recorded.remove()
-            recorder = recorded
+            recorder, last = recorded, list(self.variants)[-1]
             for name in self.variants:
                 replayed = recorder.replayable(name, self._fell_back)
-                outputs[name] = self._variant(name, forward, indices, replayed)
+                outputs[name] = self._variant(name, forward, indices, replayed, name == last)
                 if not all(unchanged(call.versions) for call in replayed):
                     self._fell_back(
                         f"variant {name!r} modified a replayed output in place (an edit "
@@ -211,7 +211,11 @@ class Variants:
         if recorded.top:
             said: list[str] = []  # a call that differs: said below as the reason
             calls = recorded.replayable(CLEAN, _quiet)
-            replaying = Replaying(calls, said.append, self._noted, self._context, recorded.top)
+            edit_at = recorded.edit_at.values()  # calls after every edit point: replayed once
+            late = {id(c) for c in calls if all(c.end > at for at in edit_at)}
+            replaying = Replaying(
+                calls, said.append, self._noted, self._context, recorded.top, late
+            )
             with replaying:
                 clean = forward()
             if replaying.replayed and not replaying.differed:
@@ -247,10 +251,11 @@ class Variants:
         forward: Callable[[], Any],
         indices: Sequence[int] | None,
         replayed: list[Call],
+        last: bool = False,
     ) -> Any:
         session = self.catcher(edits=self.variants[name])
         try:
-            with Replaying(replayed, self._fell_back, self._noted), session:
+            with Replaying(replayed, self._fell_back, self._noted, last=last), session:
                 session.set_batch_indices(indices)
                 return forward()
         except (ValueError, TypeError, RuntimeError) as error:  # say which variant failed
@@ -258,16 +263,21 @@ class Variants:
             raise
 
     def _why_not_shared(self) -> str | None:
-        training = [name for name, m in self.catcher.model.named_modules() if m.training]
+        training: list[str] = []
+        scripted: list[str] = []
+        compiled = isinstance(self.catcher.root, torch._dynamo.eval_frame.OptimizedModule)
+        for name, m in self.catcher.model.named_modules():  # one walk for the three
+            training += [name] if m.training else []
+            scripted += [name] if _scripted(m) else []
+            compiled = compiled or isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
         if training:
             which = f"module {training[0]!r}" if training[0] else "the model"
             return (
                 f"{which} is in training mode (it may draw random numbers): every variant "
                 "runs its whole forward; call model.eval()"
             )
-        if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in self._all()):
+        if compiled:
             return "the model has torch.compile'd parts: every variant runs its whole forward"
-        scripted = [n for n, m in self.catcher.model.named_modules() if _scripted(m)]
         if scripted or _scripted(self.catcher.root):
             which = f"module {scripted[0]!r}" if scripted and scripted[0] else "the model"
             return (
@@ -280,9 +290,6 @@ class Variants:
                 "replayed output): every variant runs its whole forward"
             )
         return None
-
-    def _all(self) -> list[nn.Module]:
-        return [self.catcher.root, *self.catcher.model.modules()]
 
     def _fell_back(self, reason: str) -> None:
         if reason not in self.fallbacks:

@@ -20,6 +20,7 @@ __all__ = [
     "call_forward",
     "default_forward",
     "default_output",
+    "effect_columns",
     "kl_per_sample",
     "loss_sums",
     "loss_terms",
@@ -73,24 +74,9 @@ def next_token_loss(logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, tor
     with ``logits`` of ``[batch, classes]``: the cross-entropy of ``y``, one term per sample.
     Logits of other positions than the tokens' (a prefix of soft prompts) are refused.
     """
-    tokens = isinstance(batch, torch.Tensor) and batch.dim() == 2 and not batch.is_floating_point()
-    if (tokens or (isinstance(batch, Mapping) and "input_ids" in batch)) and logits.dim() == 3:
-        ids = batch if tokens else batch["input_ids"]
-        mask = None if tokens else batch.get("attention_mask")
-        labels = None if tokens else batch.get("labels")
-        if labels is not None:
-            ids, mask = labels, None
-        if logits.shape[:2] != ids.shape[:2]:
-            raise ValueError(
-                f"logits of shape {tuple(logits.shape)} for tokens of shape "
-                f"{tuple(ids.shape)}: the default loss needs one position per token; give "
-                "`output=` returning the tokens' logits, or `loss=` your own"
-            )
-        keep = torch.ones_like(ids[:, 1:], dtype=torch.bool)
-        if labels is not None:
-            keep = ids[:, 1:] != -100
-        elif mask is not None:
-            keep = keep & mask[:, 1:].bool() & mask[:, :-1].bool()
+    targets = _next_tokens(logits, batch)
+    if targets is not None:
+        ids, keep = targets
         sums = torch.zeros(len(ids), dtype=torch.float64, device=logits.device)
         for row in range(len(ids)):  # one sample at a time, [positions, vocab] in float64
             for start in range(0, ids.shape[1] - 1, _CHUNK):
@@ -115,12 +101,83 @@ def next_token_loss(logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, tor
     )
 
 
+def _next_tokens(logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The token ids (or labels) each position's next token is read from, and where a
+    term counts (``[batch, seq - 1]``), for :func:`next_token_loss`'s token case; ``None``
+    where the batch or the logits are not of that case."""
+    tokens = isinstance(batch, torch.Tensor) and batch.dim() == 2 and not batch.is_floating_point()
+    if not (tokens or (isinstance(batch, Mapping) and "input_ids" in batch)) or logits.dim() != 3:
+        return None
+    ids = batch if tokens else batch["input_ids"]
+    mask = None if tokens else batch.get("attention_mask")
+    labels = None if tokens else batch.get("labels")
+    if labels is not None:
+        ids, mask = labels, None
+    if logits.shape[:2] != ids.shape[:2]:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} for tokens of shape "
+            f"{tuple(ids.shape)}: the default loss needs one position per token; give "
+            "`output=` returning the tokens' logits, or `loss=` your own"
+        )
+    keep = torch.ones_like(ids[:, 1:], dtype=torch.bool)
+    if labels is not None:
+        keep = ids[:, 1:] != -100
+    elif mask is not None:
+        keep = keep & mask[:, 1:].bool() & mask[:, :-1].bool()
+    return ids, keep
+
+
 def kl_per_sample(
     clean: torch.Tensor, variant: torch.Tensor, batch: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sample: the sum over positions of KL(clean || variant) of the softmax over the
     last dimension (float64; a class the clean logits rule out, -inf, adds nothing), and the
     number of positions (``attention_mask``'s ones)."""
+    kl = _effect_sums(clean, [variant], batch, None)[1]
+    return kl[0], kl[1]
+
+
+def effect_columns(
+    clean: torch.Tensor, variants: list[torch.Tensor], batch: Any, loss: LossFn
+) -> list[torch.Tensor]:
+    """Per sample in float64: the clean forward's loss sums and counts, then for each
+    variant its loss sums and counts and its KL from the clean forward's sums and counts
+    (:func:`kl_per_sample`), as ``loss`` and :func:`kl_per_sample` give them one by one.
+
+    The clean forward's log-softmax is computed once for every variant's KL; with the
+    default loss (:func:`next_token_loss` on token ids), each forward's log-softmax also
+    gives its cross-entropies (``nll_loss`` of it, as ``cross_entropy`` computes them),
+    chunk by chunk as the two functions chunk alone, so every value is theirs bit for bit.
+    """
+    targets = _next_tokens(clean, batch) if loss is next_token_loss else None
+    if targets is not None:
+        losses, *kls = _effect_sums(clean, variants, batch, targets)
+    else:
+        losses = [_double_terms(loss(logits, batch)) for logits in [clean, *variants]]
+        kls = _effect_sums(clean, variants, batch, None)[1:]
+    columns = [*losses[0]]
+    for k in range(len(variants)):
+        columns += [*losses[k + 1], *kls[k]]
+    return columns
+
+
+def _double_terms(value: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    sums, counts = loss_terms(value)
+    return sums.double(), counts.double()
+
+
+def _effect_sums(
+    clean: torch.Tensor,
+    variants: list[torch.Tensor],
+    batch: Any,
+    targets: tuple[torch.Tensor, torch.Tensor] | None,
+) -> list[Any]:
+    """``[losses, kl of variant 0, kl of variant 1, ...]``: each a per-sample ``(sums,
+    counts)``; ``losses`` (``None`` without ``targets``) a list, the clean forward's first.
+
+    One sample at a time, in chunks of ``_CHUNK`` positions as :func:`next_token_loss` and
+    :func:`kl_per_sample` took them: the clean chunk's log-softmax (and its exponential, its
+    ruled-out classes) once for every variant, each variant's once for its loss and KL."""
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
     if mask is not None and clean.dim() == 3 and clean.shape[:2] != mask.shape[:2]:
         raise ValueError(
@@ -130,21 +187,49 @@ def kl_per_sample(
         )
     if mask is not None and clean.dim() != 3:
         mask = None  # one distribution per sample: no positions to mask
-    sums = torch.zeros(len(clean), dtype=torch.float64, device=clean.device)
+    width, device = clean.shape[-1], clean.device
+    sums = torch.zeros(len(variants), len(clean), dtype=torch.float64, device=device)
+    losses = torch.zeros(len(variants) + 1, len(clean), dtype=torch.float64, device=device)
     for row in range(len(clean)):
-        p_row, q_row = (
-            clean[row].reshape(-1, clean.shape[-1]),
-            variant[row].reshape(-1, clean.shape[-1]),
-        )
+        p_row = clean[row].reshape(-1, width)
+        q_rows = [variant[row].reshape(-1, width) for variant in variants]
         keep = mask[row].bool() if mask is not None else torch.ones(len(p_row), dtype=torch.bool)
         for start in range(0, len(p_row), _CHUNK):  # [positions, vocab] in float64, in parts
             p = torch.log_softmax(p_row[start : start + _CHUNK].double(), -1)
-            q = torch.log_softmax(q_row[start : start + _CHUNK].double(), -1)
-            kl = torch.where(torch.isneginf(p), 0.0, p.exp() * (p - q)).sum(-1)  # 0 log 0 = 0
-            sums[row] += kl[keep[start : start + _CHUNK].to(kl.device)].sum()
+            predicts = targets if targets and start < targets[0].shape[1] - 1 else None
+            if predicts is not None:
+                losses[0, row] += _token_loss(p, predicts, row, start)
+            exp, ruled_out = p.exp(), torch.isneginf(p)
+            every = bool(ruled_out.any())  # else torch.where would change nothing
+            here = keep[start : start + _CHUNK].to(device)
+            for k, q_row in enumerate(q_rows):
+                q = torch.log_softmax(q_row[start : start + _CHUNK].double(), -1)
+                if predicts is not None:
+                    losses[k + 1, row] += _token_loss(q, predicts, row, start)
+                kl = exp * (p - q)
+                kl = (torch.where(ruled_out, 0.0, kl) if every else kl).sum(-1)  # 0 log 0 = 0
+                sums[k, row] += kl[here].sum()
     if mask is not None:
-        return sums, mask.sum(1).double()
-    return sums, torch.full_like(sums, float(clean[0].numel() // clean.shape[-1]))
+        counts = mask.sum(1).double()
+    else:
+        counts = torch.full_like(sums[0], float(clean[0].numel() // width))
+    found: list[Any] = [None]
+    if targets is not None:
+        found[0] = [(losses[k], targets[1].sum(1).double()) for k in range(len(losses))]
+    return found + [(sums[k], counts) for k in range(len(variants))]
+
+
+def _token_loss(
+    logp: torch.Tensor, targets: tuple[torch.Tensor, torch.Tensor], row: int, start: int
+) -> torch.Tensor:
+    """The sum of a chunk's next-token cross-entropies where they count: ``nll_loss`` of
+    its log-softmax, as ``cross_entropy`` computes them."""
+    ids, keep = targets
+    end = min(start + _CHUNK, ids.shape[1] - 1)
+    terms = torch.nn.functional.nll_loss(
+        logp[: end - start], ids[row, start + 1 : end + 1], reduction="none", ignore_index=-100
+    )
+    return terms[keep[row, start:end]].sum()
 
 
 def default_forward(module: pl.LightningModule, batch: Any) -> Any:

@@ -60,8 +60,8 @@ from lightning_iocatch.lightning.effect_terms import (
     call_forward,
     default_forward,
     default_output,
+    effect_columns,
     kl_per_sample,
-    loss_terms,
     next_token_loss,
     ratio,
 )
@@ -239,10 +239,8 @@ class InterventionEffects(pl.Callback):
         if recorded is not None and not self._runner.reused:
             self._reuse = False  # said once: the step calls the model otherwise
         logits = {name: self.output(value) for name, value in outputs.items()}
-        columns = [*self._terms(logits[CLEAN], batch)]
-        for name in self.variants:
-            columns += [*self._terms(logits[name], batch)]
-            columns += [*kl_per_sample(logits[CLEAN], logits[name], batch)]
+        variants = [logits[name] for name in self.variants]
+        columns = effect_columns(logits[CLEAN], variants, batch, self.loss)
         size = len(columns[0])
         if indices is None or len(indices) != size:  # unknown: as they come, rank by rank
             rank = float(trainer.global_rank)
@@ -265,10 +263,6 @@ class InterventionEffects(pl.Callback):
         """One forward, on its own copy of the batch (a model may write into its input)."""
         own = map_tensors(batch, torch.clone)
         return call_forward(self.forward, pl_module, own, "InterventionEffects")
-
-    def _terms(self, logits: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        sums, counts = loss_terms(self.loss(logits, batch))
-        return sums.double(), counts.double()
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._indexer is None:

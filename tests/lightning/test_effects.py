@@ -3,8 +3,9 @@
 The truth: for every batch of the same DataLoader, the model run by hand with hand-written
 hooks returning each variant's edited value, and the cross-entropies and KL divergences of
 its logits computed in NumPy (float64) and averaged over the epoch's tokens. Then the same
-runs on 2 DDP processes (this file is also the script they run) must log the 1-process values
-with 11 samples in batches of 2 (the sampler repeats sample 0 on the second process).
+runs on 2 DDP processes (``main``, in the shared launch of tests/ddp_scenarios.py) must
+log the 1-process values with 11 samples in batches of 2 (the sampler repeats sample 0 on
+the second process).
 
     python tests/lightning/test_effects.py OUT_DIR
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +29,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_iocatch.capture import Replace, Steer, Zero
 from lightning_iocatch.lightning.effects import InterventionEffects
-from tests.conftest import run_script
+from tests.ddp_scenarios import ranks_of
 from tests.lightning_models import SAE
 
 WIDTH, VOCAB = 32, 64
@@ -251,9 +251,9 @@ def test_a_loss_the_user_defines_and_bad_arguments():
 
 
 @pytest.mark.slow
-def test_two_processes_log_the_one_process_values_with_uneven_data(tmp_path: Path):
-    run_script(__file__, str(tmp_path), timeout=240)
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+def test_two_processes_log_the_one_process_values_with_uneven_data(ddp_scenarios: Path):
+    out = ranks_of(ddp_scenarios, "effects")
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     single, _ = validate(devices=1)
     assert ranks[1]["seen"] == [1, 3, 5, 7, 9, 0]  # sample 0 again: the sampler's padding
     assert ranks[0]["seen"] == [0, 2, 4, 6, 8, 10]
@@ -266,6 +266,7 @@ def test_two_processes_log_the_one_process_values_with_uneven_data(tmp_path: Pat
 
 
 def main(out: Path) -> None:
+    """One process of the 2-process run (in the shared launch of tests/ddp_scenarios.py)."""
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         values, module = validate(devices=2)
@@ -273,10 +274,6 @@ def main(out: Path) -> None:
     notes = sum("DynamicCache" in str(warning.message) for warning in said)
     result = {"values": values, "seen": module.seen, "notes": notes}
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1, sort_keys=True))
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
 
 
 def test_the_default_loss_follows_labels_and_refuses_logits_of_other_positions():

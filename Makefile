@@ -142,15 +142,15 @@ bench-sharded: venv
 # ActivationMonitor on the 12-block model in Trainer.fit against the same training without it:
 # a watched step, an unwatched one, and the average of a run watched every 50 steps, also
 # measured over 100-step runs (--direct). One thread and the CPU clock: steadier on a shared
-# machine. About 12 minutes on 2 cores.
+# machine. About 3 minutes on 2 cores (the issue's MLP; --model gpt2 for the 12-block GPT-2).
 bench-health: venv
 	$(BIN)/python benchmarks/health.py --threads 1 --clock cpu --direct
 
 # Compact stores (docs/compact-stores.md): float32, bfloat16, float8_e4m3fn, each with and
 # without codec="zstd", on token rows of a byte-level GPT-2 trained on the standard library
 # (trained once, 5 minutes, cached in .cache/compact-study/). bench-compact: bytes per row,
-# dump and read throughput, 3 rounds (8 minutes with 5 rounds and 3 variants on 2 cores
-# shared at load 8); bench-compact-sae: the same SAE trained on each dtype's store, 3 seeds,
+# dump and read throughput, 3 rounds (about 3.5 minutes once the model is cached; `python
+# benchmarks/compact_store.py --synthetic`: width 256 with outlier units, 45 s); bench-compact-sae: the same SAE trained on each dtype's store, 3 seeds,
 # evaluated on float32 activations of held-out text (9 minutes, same machine).
 # bench-compact-study: both.
 bench-compact: venv

@@ -36,6 +36,9 @@ SCENARIOS = {
     "probe_tokens": "tests.lightning.test_probe_tokens",
     "unit_probe": "tests.lightning.test_unit_probe",
     "attribution_patching": "tests.lightning.test_attribution_patching",
+    "effects": "tests.lightning.test_effects",
+    "health_training": "tests.lightning.test_health_training",
+    "health_layout": "tests.lightning.test_health_layout",
 }
 TIMEOUT = 900
 DONE, FAILED = "done", "failed.txt"

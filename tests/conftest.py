@@ -151,7 +151,7 @@ def url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def ddp_scenarios(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+def ddp_scenarios(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """The folder of the one 2-process launch of tests/ddp_scenarios.py, shared by every
     pytest-xdist worker of the session: the first to ask launches it, under a lock the
     others wait on."""
@@ -160,8 +160,8 @@ def ddp_scenarios(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> P
     from tests.ddp_scenarios import DONE, FAILED, launch
 
     shared = tmp_path_factory.getbasetemp()
-    if worker_id != "master":  # every worker's base folder lies in the session's
-        shared = shared.parent
+    if hasattr(request.config, "workerinput"):  # a pytest-xdist worker: its base folder
+        shared = shared.parent  # lies in the session's
     out = shared / "ddp-scenarios"
     with FileLock(str(shared / "ddp-scenarios.lock")):
         if not (out / DONE).exists() and not (out / FAILED).exists():

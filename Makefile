@@ -7,13 +7,11 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: venv test test-slow lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers bench-atp bench-atp-cost test-peers-atp bench-health bench-compact bench-compact-sae bench-compact-study bench-sharded clean
 
-# --no-compile: pip byte-compiles every file it installs (73 s for this environment, 37 s
-# without); Python compiles what is imported, once, on first import (about 9 s here).
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile "$(TORCH_PIN)"
-	$(BIN)/pip install --quiet --no-compile -e ".[test,demo]" "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet -e ".[test,demo]" "$(TORCH_PIN)"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -65,7 +63,7 @@ test-install:
 	$(INSTALL_DIR)/venv/bin/pip install --quiet build
 	$(INSTALL_DIR)/venv/bin/python -m build --outdir $(INSTALL_DIR)/dist . \
 		> $(INSTALL_DIR)/build.log 2>&1 || (cat $(INSTALL_DIR)/build.log; false)
-	$(INSTALL_DIR)/venv/bin/pip install --quiet --no-compile $(INSTALL_DIR)/dist/*.whl "$(TORCH_PIN)"
+	$(INSTALL_DIR)/venv/bin/pip install --quiet $(INSTALL_DIR)/dist/*.whl "$(TORCH_PIN)"
 	cd $(INSTALL_DIR) && venv/bin/python $(CURDIR)/tests/scripts/installed_wheel.py
 
 demo: venv

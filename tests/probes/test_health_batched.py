@@ -21,21 +21,12 @@ from lightning_iocatch.probes.health import (
     batched,
     health_statistics,
 )
+from tests.probes.test_health_accuracy import CASES as ACCURACY_CASES
 from tests.probes.test_health_accuracy import check, normal, with_nonfinite
 
-CASES = {
-    "normal": lambda: normal((16, 32, 48)) * 3 + 0.5,
-    "large mean": lambda: 1e4 + normal((64, 64)),
-    "large mean, non-finite": lambda: with_nonfinite(1e4 + normal((64, 64))),
-    "tiny (1e-20)": lambda: 1e-20 * normal((32, 64)),
-    "huge (1e20)": lambda: 1e20 * normal((32, 64)),
-    "float32 extremes": lambda: torch.tensor([[3.4e38, -3.4e38, 1e-45, 0.0]]),
-    "relu, dead units": lambda: torch.relu(normal((40, 24)) - torch.linspace(-1, 6, 24)),
-    "float16 (sums beyond 65504)": lambda: (100 * normal((64, 256))).half(),
-    "bfloat16, non-finite": lambda: with_nonfinite(3 + normal((64, 128))).bfloat16(),
+CASES = {  # every accuracy case batch_statistics takes, and the edges of its own
+    **{name: make for name, make in ACCURACY_CASES.items() if batched(make())},
     "65,536 values": lambda: 7 + normal((256, 256)),
-    "one value": lambda: torch.tensor(2.5),
-    "all NaN": lambda: torch.full((3, 4), float("nan")),
     "all equal": lambda: torch.full((5, 7), 1e4 + 0.1),
 }
 

@@ -1,0 +1,323 @@
+"""SAEModule: a sparse autoencoder trained with ``Trainer.fit``, on any strategy.
+
+Each step follows SAELens 6's trainer: the losses of the (normalised) batch, the
+latents that fired counted, then backward, gradients clipped at ``clip_grad_norm``, an
+Adam step and the learning-rate schedule's step. Under several processes everything
+that SAELens counts in its one process is counted over the whole batch: the rows, the
+latents that fired on any process (a latent is dead after ``dead_after_tokens`` rows of
+the global stream without firing), the input norms of the normalisation, BatchTopK's
+selection and its threshold, and the means of the losses; so two processes end with the
+weights of one process that saw both their rows. All of it lives in the module's
+buffers, so a checkpoint resumes it exactly.
+
+Examples:
+    >>> module = SAEModule(16, 64, "topk", k=4, key="h")
+    >>> module.sae
+    SparseAutoencoder(16 -> 64, topk, k=4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_iocatch.lightning.sae.schedule import Schedule, lr_factor, sparsity_factor
+from lightning_iocatch.lightning.sae.statistics import reconstruction_figures, reconstruction_sums
+from lightning_iocatch.sae.activations import Across
+from lightning_iocatch.sae.losses import TrainingObjective, TrainingStep
+from lightning_iocatch.sae.model import Architecture, SparseAutoencoder
+
+__all__ = ["SAEModule"]
+
+
+class SAEModule(pl.LightningModule):
+    """Trains a :class:`~lightning_iocatch.sae.SparseAutoencoder` on batches of rows.
+
+    A batch is a ``(rows, d_in)`` tensor, a dict holding one under ``key`` (what
+    :class:`~lightning_iocatch.StoreDataModule` yields), or a tuple whose first item is
+    one. Uses manual optimization (the step order above); give no ``gradient_clip_val``
+    to the Trainer, ``clip_grad_norm`` here instead. Logs ``train/mse``,
+    ``train/normalized_mse``, ``train/explained_variance``, ``train/l0``,
+    ``train/dead_fraction``, each loss and the learning rate every
+    ``Trainer(log_every_n_steps=...)`` steps, and in validation the same figures over
+    the whole validation set (``val/...``).
+
+    Args:
+        d_in: the rows' width.
+        d_sae: number of latents.
+        architecture: ``"topk"``, ``"batchtopk"``, ``"jumprelu"`` or ``"relu"`` (L1).
+        k: latents per row (``topk``; the average for ``batchtopk``).
+        key: the batch's key holding the rows (a dict batch of one tensor needs none).
+        sae: start from this SAE (e.g. :func:`~lightning_iocatch.sae.load_saelens`'s)
+            instead of a new one; ``d_in``, ``d_sae``, ``architecture`` and ``k`` are
+            then taken from it.
+        lr, betas: Adam's (SAELens: 3e-4, (0.9, 0.999)).
+        lr_warmup_steps, lr_decay_steps, lr_end, lr_schedule, total_steps: the schedule
+            (see :mod:`~lightning_iocatch.lightning.sae.schedule`; ``total_steps`` by
+            default the Trainer's ``max_steps``; ``lr_end`` by default ``lr / 10``).
+        clip_grad_norm: the gradients' norm is clipped to this (``None``: not clipped).
+        sparsity_coefficient, sparsity_warmup_steps: the L1 (``relu``) or L0
+            (``jumprelu``) coefficient, rising from 0 over its warmup.
+        aux_k_coefficient: the auxiliary-k loss's coefficient (``topk``, ``batchtopk``).
+        dead_after_tokens: a latent that fired on none of this many rows (of the whole
+            stream, every process's) is dead (SAELens: 1000 steps of 4096 tokens).
+        normalize_batches: estimate the input normalisation (``sqrt(d_in)`` over the
+            mean row norm) from this many first batches, which train nothing (as
+            SAELens); 0: no normalisation. It is folded into the weights on export.
+        topk_threshold_lr: the weight of each batch in BatchTopK's running threshold.
+        decoder_init_norm, jumprelu_init_threshold, bandwidth, scale_by_decoder_norm:
+            the SAE's (see :class:`~lightning_iocatch.sae.SparseAutoencoder`).
+        seed: the seed of the initial weights.
+    """
+
+    tokens_since_fired: Tensor
+    norm_sum: Tensor
+    norm_rows: Tensor
+    norm_batches: Tensor
+
+    def __init__(
+        self,
+        d_in: int | None = None,
+        d_sae: int | None = None,
+        architecture: Architecture = "topk",
+        k: float | None = None,
+        *,
+        key: str | None = None,
+        sae: SparseAutoencoder | None = None,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        lr_warmup_steps: int = 0,
+        lr_decay_steps: int = 0,
+        lr_end: float | None = None,
+        lr_schedule: Schedule = "constant",
+        total_steps: int | None = None,
+        clip_grad_norm: float | None = 1.0,
+        sparsity_coefficient: float = 1.0,
+        sparsity_warmup_steps: int = 0,
+        aux_k_coefficient: float = 1.0,
+        dead_after_tokens: int = 1000 * 4096,
+        normalize_batches: int = 0,
+        topk_threshold_lr: float = 0.01,
+        decoder_init_norm: float | None = 0.1,
+        jumprelu_init_threshold: float = 0.01,
+        bandwidth: float = 0.05,
+        scale_by_decoder_norm: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["sae"])
+        self.automatic_optimization = False
+        if sae is None:
+            if d_in is None or d_sae is None:
+                raise ValueError("SAEModule needs `d_in` and `d_sae`, or an `sae` to train")
+            sae = SparseAutoencoder(
+                d_in,
+                d_sae,
+                architecture,
+                k,
+                scale_by_decoder_norm=scale_by_decoder_norm,
+                decoder_init_norm=decoder_init_norm,
+                jumprelu_init_threshold=jumprelu_init_threshold,
+                bandwidth=bandwidth,
+                generator=torch.Generator().manual_seed(seed),
+            )
+        elif not isinstance(sae, SparseAutoencoder):
+            raise TypeError(f"`sae` must be a SparseAutoencoder, got {type(sae).__name__}")
+        for name, value in (("normalize_batches", normalize_batches), ("lr_warmup_steps",
+                            lr_warmup_steps), ("lr_decay_steps", lr_decay_steps),
+                            ("sparsity_warmup_steps", sparsity_warmup_steps),
+                            ("dead_after_tokens", dead_after_tokens)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
+        if lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"`lr_schedule` must be 'constant' or 'cosine', got {lr_schedule!r}")
+        self.objective = TrainingObjective(sae)
+        self.key = key
+        self.lr, self.total_steps = float(lr), total_steps
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
+        self.lr_end, self.lr_schedule = lr_end, lr_schedule
+        self.clip_grad_norm = clip_grad_norm
+        self.sparsity_coefficient, self.sparsity_warmup_steps = (
+            sparsity_coefficient,
+            sparsity_warmup_steps,
+        )
+        self.aux_k_coefficient, self.dead_after_tokens = aux_k_coefficient, dead_after_tokens
+        self.normalize_batches, self.topk_threshold_lr = normalize_batches, topk_threshold_lr
+        self.register_buffer("tokens_since_fired", torch.zeros(sae.d_sae, dtype=torch.int64))
+        self.register_buffer("norm_sum", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("norm_rows", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("norm_batches", torch.zeros((), dtype=torch.int64))
+        self._val_sums: Tensor | None = None
+
+    @property
+    def sae(self) -> SparseAutoencoder:
+        """The SAE being trained."""
+        return self.objective.sae
+
+    # -- Lightning hooks ---------------------------------------------------------------
+
+    @override
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is not None:  # ModelParallelStrategy: FSDP2 over its data-parallel ranks
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.objective, mesh=mesh["data_parallel"])
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.objective.parameters(), lr=self.lr, betas=self.betas)
+        total = self.total_steps
+        if total is None and self._trainer is not None and self.trainer.max_steps > 0:
+            total = self.trainer.max_steps
+        end = self.lr / 10 if self.lr_end is None else self.lr_end
+        ratio = 1.0 if self.lr_schedule == "constant" else end / self.lr  # SAELens' choice
+        factor = lr_factor(warmup=self.lr_warmup_steps, decay=self.lr_decay_steps, total=total,
+                           schedule=self.lr_schedule, end_ratio=ratio)  # fmt: skip
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
+        x = self._rows(batch)
+        rows = self._whole(torch.tensor(x.shape[0], device=x.device))
+        if int(self.norm_batches) < self.normalize_batches:
+            self._estimate_scale(x)
+            return None
+        sae = self.sae
+        if sae.architecture == "jumprelu":
+            with torch.no_grad():
+                sae.threshold.clamp_(min=0.0)
+        dead = self.tokens_since_fired > self.dead_after_tokens
+        step = self.objective(
+            x,
+            dead=dead,
+            sparsity=self.sparsity_coefficient
+            * sparsity_factor(self.global_step, warmup=self.sparsity_warmup_steps),
+            aux_k_coefficient=self.aux_k_coefficient,
+            across=self._across(int(rows)),
+        )
+        with torch.no_grad():
+            self._count_fired(step.latents, rows)
+            if sae.architecture == "batchtopk":
+                self._update_threshold(step.latents)
+        optimizer = self._optimizer()
+        self.manual_backward(step.loss)
+        if self.clip_grad_norm is not None:
+            self.clip_gradients(optimizer, gradient_clip_val=self.clip_grad_norm,
+                                gradient_clip_algorithm="norm")  # fmt: skip
+        optimizer.step()
+        optimizer.zero_grad()
+        self.lr_schedulers().step()  # type: ignore[union-attr]
+        if self.global_step % getattr(self.trainer, "log_every_n_steps", 50) == 0:
+            self._log_step(x, step, dead)
+        return step.loss.detach()
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = None
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x = self._rows(batch)
+        step = self.objective(x)
+        sums = reconstruction_sums(self.sae.scaled(x), step.reconstruction, step.latents)
+        self._val_sums = sums if self._val_sums is None else self._val_sums + sums
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        sums = self._val_sums
+        width = 4 + self.sae.d_in
+        sums = torch.zeros(width, dtype=torch.float64, device=self.device) if sums is None else sums
+        figures = reconstruction_figures(self._whole(sums))
+        self.log_dict({f"val/{name}": value for name, value in figures.items()})
+
+    # -- the step's parts --------------------------------------------------------------
+
+    def _rows(self, batch: Any) -> Tensor:
+        """The batch's rows, ``(rows, d_in)``."""
+        found = batch
+        if isinstance(batch, Mapping):
+            if self.key is not None:
+                found = batch[self.key]
+            else:
+                tensors = [value for value in batch.values() if isinstance(value, Tensor)
+                           and value.is_floating_point()]  # fmt: skip
+                if len(tensors) != 1:
+                    raise ValueError(
+                        f"SAEModule: the batch holds {sorted(batch)}: name the rows' key "
+                        "with SAEModule(key=...)"
+                    )
+                found = tensors[0]
+        elif isinstance(batch, Sequence) and not isinstance(batch, Tensor):
+            found = batch[0]
+        if not isinstance(found, Tensor) or found.shape[-1] != self.sae.d_in:
+            shown = tuple(found.shape) if isinstance(found, Tensor) else type(found).__name__
+            raise ValueError(f"SAEModule: rows of width d_in={self.sae.d_in} expected, got {shown}")
+        return found.reshape(-1, self.sae.d_in)
+
+    def _optimizer(self) -> Any:
+        """The one optimizer (Lightning's wrapper of the Adam of ``configure_optimizers``)."""
+        return self.optimizers()
+
+    def _whole(self, local: Tensor) -> Tensor:
+        """``local`` summed over the processes (the strategy's own reduce)."""
+        if self.trainer.world_size == 1:
+            return local
+        return self.trainer.strategy.reduce(local, reduce_op="sum")
+
+    def _across(self, rows: int) -> Across | None:
+        if self.trainer.world_size == 1:
+            return None
+        return Across(rows, self.global_rank, self.trainer.world_size, self._gather)
+
+    def _gather(self, values: Tensor) -> Tensor:
+        return self.trainer.strategy.all_gather(values)
+
+    def _estimate_scale(self, x: Tensor) -> None:
+        """Counts a batch's row norms; after the last batch of the estimate, sets the SAE's
+        ``input_scale`` to ``sqrt(d_in)`` over their mean (SAELens' factor)."""
+        local = torch.stack([x.norm(dim=-1).double().sum(), x.new_tensor(x.shape[0]).double()])
+        whole = self._whole(local)
+        self.norm_sum += whole[0]
+        self.norm_rows += whole[1].long()
+        self.norm_batches += 1
+        if int(self.norm_batches) == self.normalize_batches:
+            mean = self.norm_sum / self.norm_rows
+            self.sae.input_scale.copy_(self.sae.d_in**0.5 / mean)
+
+    def _count_fired(self, latents: Tensor, rows: Tensor) -> None:
+        fired = self._whole((latents != 0).any(0).to(torch.int32)) > 0
+        self.tokens_since_fired += rows.to(self.tokens_since_fired.device)
+        self.tokens_since_fired[fired] = 0
+
+    def _update_threshold(self, latents: Tensor) -> None:
+        """BatchTopK's running threshold: ``(1 - lr) * old + lr * smallest kept value``
+        of the whole batch, in float64 (a batch with no positive value leaves it)."""
+        positive = latents[latents > 0]
+        smallest = positive.min() if positive.numel() else latents.new_tensor(float("inf"))
+        smallest = smallest.to(torch.float64)
+        if self.trainer.world_size > 1:
+            smallest = self.trainer.strategy.reduce(smallest, reduce_op=dist.ReduceOp.MIN)  # type: ignore[arg-type]
+        if torch.isfinite(smallest):
+            lr = self.topk_threshold_lr
+            sae = self.sae
+            sae.topk_threshold.copy_((1 - lr) * sae.topk_threshold + lr * smallest)
+
+    def _log_step(self, x: Tensor, step: TrainingStep, dead: Tensor) -> None:
+        with torch.no_grad():
+            sums = reconstruction_sums(self.sae.scaled(x), step.reconstruction, step.latents)
+            figures = reconstruction_figures(self._whole(sums))
+        figures["dead_fraction"] = float(dead.double().mean())
+        losses = {name: float(self._whole(value.detach()) / self.trainer.world_size)
+                  for name, value in step.losses.items()}  # fmt: skip
+        lr = self._optimizer().param_groups[0]["lr"]
+        logged = {f"train/{name}": value for name, value in {**figures, **losses}.items()}
+        self.log_dict({**logged, "train/lr": lr})

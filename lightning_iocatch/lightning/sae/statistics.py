@@ -1,0 +1,51 @@
+"""What an SAE's training counts across processes: rows, the latents that fired, the
+input norms of the normalisation, and the sums behind the reconstruction figures.
+
+Every count is of the whole batch (all processes' rows, reduced with the strategy's own
+collectives), so that two processes keep the numbers one process would.
+
+Examples:
+    >>> x = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    >>> sums = reconstruction_sums(x, x * 0.5, torch.tensor([[1.0, 0.0], [2.0, 3.0]]))
+    >>> figures = reconstruction_figures(sums)
+    >>> round(figures["mse"], 3), round(figures["l0"], 3), round(figures["explained_variance"], 3)
+    (0.25, 1.5, 0.5)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["reconstruction_figures", "reconstruction_sums"]
+
+
+def reconstruction_sums(x: Tensor, reconstruction: Tensor, latents: Tensor) -> Tensor:
+    """One float64 vector of the sums a batch adds to the figures (sums of processes add
+    up): rows, squared error, ``|x|^2``, active latents, then ``x`` per input."""
+    x, error = x.double(), (reconstruction.double() - x.double()).pow(2).sum()
+    head = torch.stack(
+        [
+            x.new_tensor(float(x.shape[0])),
+            error,
+            x.pow(2).sum(),
+            (latents != 0).sum().double(),
+        ]
+    )
+    return torch.cat([head, x.sum(0)])
+
+
+def reconstruction_figures(sums: Tensor) -> dict[str, float]:
+    """``mse`` (squared error per row, summed over inputs, as the loss), ``normalized_mse``
+    (over ``|x|^2``), ``explained_variance`` (1 - squared error over ``|x - mean|^2``,
+    SAELens' ``explained_variance``) and ``l0`` (active latents per row)."""
+    rows, error, energy, active = (float(value) for value in sums[:4])
+    if rows == 0:
+        return {}
+    spread = energy - float(sums[4:].pow(2).sum()) / rows
+    return {
+        "mse": error / rows,
+        "normalized_mse": error / energy if energy else float("nan"),
+        "explained_variance": 1 - error / spread if spread else float("nan"),
+        "l0": active / rows,
+    }

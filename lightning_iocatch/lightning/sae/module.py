@@ -24,11 +24,20 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_iocatch.lightning.sae.evaluation import (
+    MODEL,
+    checked_layer,
+    layer_rows,
+    log_density,
+    splice_effects,
+)
 from lightning_iocatch.lightning.sae.schedule import Schedule, lr_factor, sparsity_factor
 from lightning_iocatch.lightning.sae.statistics import reconstruction_figures, reconstruction_sums
+from lightning_iocatch.probes.unit_summary import UnitSummary
+from lightning_iocatch.probes.units import UnitActivations
 from lightning_iocatch.sae.activations import Across
 from lightning_iocatch.sae.losses import TrainingObjective, TrainingStep
 from lightning_iocatch.sae.model import Architecture, SparseAutoencoder
@@ -74,6 +83,18 @@ class SAEModule(pl.LightningModule):
         decoder_init_norm, jumprelu_init_threshold, bandwidth, scale_by_decoder_norm:
             the SAE's (see :class:`~lightning_iocatch.sae.SparseAutoencoder`).
         seed: the seed of the initial weights.
+        language_model, layer: the model the activations came from and the module whose
+            output they are (e.g. ``"model.layers.6"``): validation batches are then its
+            text (a tokenizer's dict), the rows its real tokens' outputs there, and an
+            :class:`~lightning_iocatch.InterventionEffects` logs the SAE spliced in
+            against zero ablation (``sae/sae/loss_recovered``, ``sae/sae/kl``...). The
+            model is frozen (it runs only in validation, in eval mode as the rest) and
+            left out of checkpoints.
+
+    Validation also logs ``val/dead_fraction`` and ``val/density_median`` of the latents
+    over the validation set, their density histogram to loggers that take histograms,
+    and keeps the epoch's :class:`~lightning_iocatch.probes.UnitSummary` as
+    ``unit_summary``.
     """
 
     tokens_since_fired: Tensor
@@ -109,9 +130,11 @@ class SAEModule(pl.LightningModule):
         bandwidth: float = 0.05,
         scale_by_decoder_norm: bool | None = None,
         seed: int = 0,
+        language_model: nn.Module | None = None,
+        layer: str | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["sae"])
+        self.save_hyperparameters(ignore=["sae", "language_model"])
         self.automatic_optimization = False
         if sae is None:
             if d_in is None or d_sae is None:
@@ -155,6 +178,11 @@ class SAEModule(pl.LightningModule):
         self.register_buffer("norm_rows", torch.zeros((), dtype=torch.int64))
         self.register_buffer("norm_batches", torch.zeros((), dtype=torch.int64))
         self._val_sums: Tensor | None = None
+        self.latent_density = UnitActivations(k=0, name="latents")
+        self.unit_summary: UnitSummary | None = None
+        self.layer = checked_layer(language_model, layer)
+        if language_model is not None:
+            self.language_model = language_model.requires_grad_(False)
 
     @property
     def sae(self) -> SparseAutoencoder:
@@ -162,6 +190,23 @@ class SAEModule(pl.LightningModule):
         return self.objective.sae
 
     # -- Lightning hooks ---------------------------------------------------------------
+
+    @override
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [] if self.layer is None else [splice_effects(self.layer, self._reconstruct)]
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        prefix = f"{MODEL}."
+        state = checkpoint["state_dict"]
+        for name in [name for name in state if name.startswith(prefix)]:
+            del state[name]
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.layer is not None:  # the frozen model is not saved: it is the one given
+            for name, value in self.language_model.state_dict().items():
+                checkpoint["state_dict"][f"{MODEL}.{name}"] = value
 
     @override
     def configure_model(self) -> None:
@@ -223,13 +268,15 @@ class SAEModule(pl.LightningModule):
     @override
     def on_validation_epoch_start(self) -> None:
         self._val_sums = None
+        self.latent_density.reset()
 
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x = self._rows(batch)
+        x = self._rows(batch) if self.layer is None else layer_rows(self, self.layer, batch)
         step = self.objective(x)
         sums = reconstruction_sums(self.sae.scaled(x), step.reconstruction, step.latents)
         self._val_sums = sums if self._val_sums is None else self._val_sums + sums
+        self.latent_density.update(step.latents)
 
     @override
     def on_validation_epoch_end(self) -> None:
@@ -237,9 +284,24 @@ class SAEModule(pl.LightningModule):
         width = 4 + self.sae.d_in
         sums = torch.zeros(width, dtype=torch.float64, device=self.device) if sums is None else sums
         figures = reconstruction_figures(self._whole(sums))
+        summary = self.latent_density.compute()
+        self.unit_summary = summary
+        scalars = summary.scalars()
+        figures |= {
+            "dead_fraction": scalars["dead_frac"],
+            "density_median": scalars["density_median"],
+        }
         self.log_dict({f"val/{name}": value for name, value in figures.items()})
+        log_density(self.trainer, "val/latent_density", summary, self.global_step)
 
     # -- the step's parts --------------------------------------------------------------
+
+    def _reconstruct(self, hidden: Tensor) -> Tensor:
+        """The SAE's reconstruction of a layer's output, at its scale (through the
+        objective's forward, where a strategy gathers the parameters)."""
+        step = self.objective(hidden.reshape(-1, hidden.shape[-1]))
+        raw = step.reconstruction / self.sae.input_scale.to(step.reconstruction.dtype)
+        return raw.reshape(hidden.shape)
 
     def _rows(self, batch: Any) -> Tensor:
         """The batch's rows, ``(rows, d_in)``."""

@@ -1,0 +1,119 @@
+"""What :class:`~lightning_iocatch.lightning.sae.SAEModule` measures in validation beyond
+the reconstruction: the latents' density (a
+:class:`~lightning_iocatch.probes.UnitActivations`), and, given the language model the
+activations came from, the SAE spliced into it on held-out text (an
+:class:`~lightning_iocatch.InterventionEffects`: CE loss recovered against zero
+ablation, and KL).
+
+Examples:
+    >>> effects = splice_effects("model.layers.1", lambda h: h)
+    >>> [name for name in effects.names() if name.endswith("recovered")]
+    ['sae/sae/loss_recovered']
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+from torch import Tensor, nn
+
+from lightning_iocatch.capture.catcher import ModelIOCatcher
+from lightning_iocatch.capture.edits import Replace, Zero
+from lightning_iocatch.lightning.effects import InterventionEffects
+from lightning_iocatch.lightning.health_histograms import _wandb_logger_class
+from lightning_iocatch.probes.unit_summary import UnitSummary
+from lightning_iocatch.token_mask import real_tokens
+
+__all__ = ["checked_layer", "layer_rows", "log_density", "splice_effects"]
+
+MODEL = "language_model"
+"""Where SAEModule holds the language model (the names its edits use start with it)."""
+
+
+def splice_effects(layer: str, reconstruct: Callable[[Tensor], Tensor]) -> InterventionEffects:
+    """The effects of the SAE's reconstruction (``reconstruct``) and of zero ablation at
+    the language model's ``layer`` on its next-token loss, logged as ``sae/...``."""
+    where = f"{MODEL}.{layer}"
+    return InterventionEffects(
+        {"sae": [Replace(where, reconstruct)], "zero": [Zero(where)]},
+        recovered={"sae": "zero"},
+        forward=run_language_model,
+        reuse=False,  # the validation step's forward captures the layer: not a clean one
+        prefix="sae",
+    )
+
+
+def run_language_model(module: pl.LightningModule, batch: Any) -> Any:
+    """The language model on a batch of text: ``model(**batch)`` for a mapping (a
+    tokenizer's output; with ``use_cache=False`` where the model takes it: nothing decodes
+    from its cache), ``model(batch[0])`` for a tuple, ``model(batch)`` otherwise."""
+    model = getattr(module, MODEL)
+    if isinstance(batch, Mapping):
+        if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in batch:
+            return model(**batch, use_cache=False)
+        return model(**batch)
+    if isinstance(batch, list | tuple):
+        return model(batch[0])
+    return model(batch)
+
+
+def layer_rows(module: pl.LightningModule, layer: str, batch: Any) -> Tensor:
+    """The rows the SAE reads from a batch of text: ``layer``'s output at each real token
+    (the batch's ``attention_mask``; every position without one), ``(tokens, d_in)``."""
+    model: nn.Module = getattr(module, MODEL)
+    with ModelIOCatcher(model, module.device).from_spec(f"outputs[{layer}]") as captured:
+        run_language_model(module, batch)
+    output = captured[layer]["outputs"][0]
+    hidden = output[0] if isinstance(output, tuple | list) else output
+    mask = real_tokens(batch, "SAEModule")
+    if mask is None or hidden.dim() < 3:
+        return hidden.reshape(-1, hidden.shape[-1])
+    return hidden[mask.to(hidden.device)]
+
+
+def log_density(trainer: pl.Trainer, name: str, summary: UnitSummary, step: int) -> None:
+    """The latents' density histogram (``log10`` of each live latent's firing frequency)
+    to every logger that takes histograms (TensorBoard, W&B; process 0 only)."""
+    if not trainer.is_global_zero or not summary.units:
+        return
+    counts, edges, _ = summary.density_histogram()
+    wandb_logger = _wandb_logger_class()
+    for logger in trainer.loggers:
+        if wandb_logger is not None and isinstance(logger, wandb_logger):
+            import wandb
+
+            histogram = wandb.Histogram(np_histogram=(counts.numpy(), edges.numpy()))
+            logger.experiment.log({name: histogram, "trainer/global_step": step})  # type: ignore[attr-defined]
+            continue
+        add = getattr(getattr(logger, "experiment", None), "add_histogram_raw", None)
+        if callable(add) and int(counts.sum()):
+            alive = summary.density()[summary.active > 0].log10().numpy()
+            add(
+                tag=name, min=float(alive.min()), max=float(alive.max()), num=int(alive.size),
+                sum=float(alive.sum()), sum_squares=float(np.square(alive).sum()),
+                bucket_limits=edges[1:].tolist(), bucket_counts=counts.tolist(),
+                global_step=step,
+            )  # fmt: skip
+
+
+def checked_layer(model: nn.Module | None, layer: str | None) -> str | None:
+    """``layer``, checked to be a module of ``model`` (both given, or neither)."""
+    if model is None and layer is None:
+        return None
+    if model is None or layer is None:
+        raise ValueError("SAEModule: give both `language_model` and `layer`, or neither")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`language_model` must be an nn.Module, got {type(model).__name__}")
+    names = dict(model.named_modules())
+    if layer not in names:
+        near = [name for name in names if name.endswith(layer.rsplit(".", 1)[-1])][:3]
+        raise ValueError(
+            f"SAEModule: `layer` {layer!r} is not a module of the language model"
+            + (f"; did you mean {near}?" if near else "")
+            + " (list them with `lightning-iocatch modules`)"
+        )
+    return layer

@@ -86,7 +86,7 @@ bench-tokens: $(BENCH_VENV)/bin/.installed
 
 # The tests that compare with a peer's own code (SAELens' evaluation of an SAE).
 test-peers: $(BENCH_VENV)/bin/.installed
-	$(BENCH_VENV)/bin/python -m pytest -q tests/lightning/test_effects_saelens.py
+	$(BENCH_VENV)/bin/python -m pytest -q tests/lightning/test_effects_saelens.py tests/peers/test_sae_saelens.py
 
 # Unit statistics (top-k, density) against delphi's in-memory cache: eai-delphi in an
 # environment of its own. eai-delphi brings torchvision and torchaudio built for another

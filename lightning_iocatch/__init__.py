@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         InterventionEffects,
         IOCaptureCallback,
         MemorySink,
+        SAEModule,
         StoreDataModule,
     )
     from lightning_iocatch.store import FeatureStore, StoreRows, TokenRows
@@ -64,6 +65,7 @@ _HOMES = {
     "parse_io_spec": "capture",
     "FeatureStore": "store",
     "StoreDataModule": "lightning",
+    "SAEModule": "lightning",
     "StoreRows": "store",
     "TokenRows": "store",
     "NotCaptured": "capture",
@@ -87,6 +89,7 @@ __all__ = [
     "MemorySink",
     "ModelIOCatcher",
     "NotCaptured",
+    "SAEModule",
     "SpecError",
     "StoreDataModule",
     "StoreError",

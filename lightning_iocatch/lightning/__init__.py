@@ -1,6 +1,7 @@
 """The Lightning adapter: the callback, its sinks, the writer sink, the data module, the
 effects of edits and the attribution of a behaviour to components, as validation metrics,
-and the health of activations during training.
+the health of activations during training, and sparse autoencoders trained on any
+strategy.
 
 Everything here sits on the core (:mod:`lightning_iocatch.capture`,
 :mod:`lightning_iocatch.store`, :mod:`lightning_iocatch.probes`); nothing in the core
@@ -14,6 +15,7 @@ from lightning_iocatch.lightning.datamodule import StoreDataModule
 from lightning_iocatch.lightning.effects import InterventionEffects
 from lightning_iocatch.lightning.feature_writer import FeatureWriter
 from lightning_iocatch.lightning.health_monitor import ActivationMonitor, NonFiniteError
+from lightning_iocatch.lightning.sae import SAEModule
 from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink, MemorySink
 
 __all__ = [
@@ -26,5 +28,6 @@ __all__ = [
     "InterventionEffects",
     "MemorySink",
     "NonFiniteError",
+    "SAEModule",
     "StoreDataModule",
 ]

@@ -52,9 +52,9 @@ def batch_topk_mask(acts: Tensor, k: float, across: Across | None = None) -> Ten
     of the whole batch, ties at the cut taken in the order of the flat batch, a process's
     values after those of lower ranks.
 
-    One process: the entries ``torch.topk`` over the flattened batch takes (up to its
-    choice among ties, which it leaves undefined). Several: the values each process may
-    contribute (its ``int(k * rows)`` largest) are gathered, the cut is the
+    One process: the entries ``torch.topk`` over the flattened batch takes (as SAELens;
+    among ties at the cut, its choice, which it leaves undefined). Several: the values
+    each process may contribute (its ``int(k * rows)`` largest) are gathered, the cut is the
     ``int(k * rows)``-th largest of them, and each process keeps its values above the cut
     and the ties that are its own: the entries one process would keep of the whole batch
     stacked in rank order, with one gather of ``int(k * rows)`` values a process."""
@@ -62,18 +62,16 @@ def batch_topk_mask(acts: Tensor, k: float, across: Across | None = None) -> Ten
     wanted = int(k * (acts.shape[:-1].numel() if across is None else across.rows))
     if wanted <= 0:
         return torch.zeros_like(acts, dtype=torch.bool)
+    if across is None:  # as SAELens: the entries torch.topk picks
+        picked = torch.topk(flat, min(wanted, flat.numel()), sorted=False).indices
+        return torch.zeros_like(flat, dtype=torch.bool).scatter_(0, picked, True).view(acts.shape)
     mine = torch.topk(flat, min(wanted, flat.numel()), sorted=True).values
-    before = 0
-    if across is None:
-        everyone = mine
-        cut = mine[-1]
-    else:
-        padded = torch.full((wanted,), -1.0, dtype=flat.dtype, device=flat.device)
-        padded[: mine.numel()] = mine  # below every value (they are ReLU'd): never kept
-        table = across.gather(padded)
-        everyone = table.reshape(-1)
-        cut = torch.topk(everyone, wanted, sorted=True).values[-1]
-        before = int((table[: across.rank] == cut).sum())
+    padded = torch.full((wanted,), -1.0, dtype=flat.dtype, device=flat.device)
+    padded[: mine.numel()] = mine  # below every value (they are ReLU'd): never kept
+    table = across.gather(padded)
+    everyone = table.reshape(-1)
+    cut = torch.topk(everyone, wanted, sorted=True).values[-1]
+    before = int((table[: across.rank] == cut).sum())
     mask = flat > cut
     ties = wanted - int((everyone > cut).sum()) - before
     if ties > 0:

@@ -149,8 +149,11 @@ def _built(
         for name, value in (("W_enc", w_enc), ("b_enc", b_enc), ("W_dec", weights["W_dec"]),
                             ("b_dec", weights["b_dec"])):  # fmt: skip
             getattr(sae, name).copy_(value.to(dtype))
-        if architecture == "jumprelu":
-            sae.threshold.copy_(weights["threshold"].float())
+        if architecture == "jumprelu":  # SAELens before 6.x's direct threshold: its log
+            threshold = weights.get("threshold")
+            if threshold is None:
+                threshold = weights["log_threshold"].exp()
+            sae.threshold.copy_(threshold.float())
         if architecture == "batchtopk":
             sae.topk_threshold.copy_(weights["topk_threshold"].double())
     return sae

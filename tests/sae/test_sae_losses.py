@@ -101,7 +101,9 @@ def test_objective_scales_its_rows() -> None:
     x = rows(5)
     step = TrainingObjective(sae)(x, sparsity=0.5)
     truth, _, _ = numpy_losses(sae, 3.0 * x.numpy(), None, 0.5, 1.0)
-    np.testing.assert_allclose(float(step.losses["mse_loss"].detach()), truth["mse_loss"], rtol=1e-12)
+    np.testing.assert_allclose(
+        float(step.losses["mse_loss"].detach()), truth["mse_loss"], rtol=1e-12
+    )
     np.testing.assert_allclose(float(step.losses["l1_loss"].detach()), truth["l1_loss"], rtol=1e-12)
 
 
@@ -124,12 +126,14 @@ def test_averaged_process_gradients_are_the_one_process_gradient(architecture, s
     whole = gradients(sae, training_losses(sae, sae.scaled(x), **options).loss)
 
     def rank_gradients(chunk, across):
-        return gradients(sae, training_losses(sae, sae.scaled(chunk), across=across, **options).loss)
+        return gradients(
+            sae, training_losses(sae, sae.scaled(chunk), across=across, **options).loss
+        )
 
     per_rank = simulated_ranks(x.split(list(sizes)), rank_gradients)
     world = len(sizes)
     for name, mine, truth in zip(
-        [n for n, _ in sae.named_parameters()], zip(*per_rank), whole, strict=True
+        [n for n, _ in sae.named_parameters()], zip(*per_rank, strict=True), whole, strict=True
     ):
         averaged = sum(mine) / world
         assert truth.abs().max() > 0, name

@@ -110,7 +110,9 @@ def test_encode_decode_match_the_formulas(architecture, k, options, training) ->
     np.testing.assert_allclose(latents.detach().numpy(), expected, rtol=1e-12, atol=1e-12)
     assert (latents != 0).any() and (latents == 0).any()  # the cut is exercised
     decoded = numpy_decode(sae, expected)
-    np.testing.assert_allclose(sae.decode(latents).detach().numpy(), decoded, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        sae.decode(latents).detach().numpy(), decoded, rtol=1e-12, atol=1e-12
+    )
     np.testing.assert_allclose(sae(x).detach().numpy(), decoded, rtol=1e-12, atol=1e-12)
     if architecture == "topk":
         assert ((latents != 0).sum(-1) <= k).all()
@@ -195,13 +197,27 @@ def test_batch_topk_mask_takes_the_batch_largest_values(k) -> None:
     assert torch.equal(mask, expected.view(6, 10))
 
 
-def test_batch_topk_mask_takes_ties_at_the_cut_in_flat_order() -> None:
+def flat_order_mask(acts: np.ndarray, wanted: int) -> np.ndarray:
+    """The ``wanted`` largest values, ties at the cut taken first in the flat order."""
+    flat = acts.ravel()
+    cut = np.sort(flat)[::-1][wanted - 1]
+    mask = flat > cut
+    ties = np.flatnonzero(flat == cut)[: wanted - int(mask.sum())]
+    mask[ties] = True
+    return mask.reshape(acts.shape)
+
+
+def test_batch_topk_mask_with_ties_takes_as_many_of_them_as_the_cut_leaves() -> None:
     acts = torch.tensor([[0.9, 0.5, 0.1, 0.5], [0.5, 0.0, 0.5, 0.7], [0.2, 0.5, 0.0, 0.5]])
-    mask = batch_topk_mask(acts, 5 / 3)  # 5 of 12: 0.9, 0.7 and the first three 0.5s
-    expected = torch.zeros(12, dtype=torch.bool)
-    expected[[0, 7, 1, 3, 4]] = True
-    assert torch.equal(mask, expected.view(3, 4))
+    mask = batch_topk_mask(acts, 5 / 3)  # 5 of 12: 0.9, 0.7 and three of the six 0.5s
+    assert int(mask.sum()) == 5
+    assert mask[acts > 0.5].all() and (acts[mask] >= 0.5).all()
     assert not batch_topk_mask(acts, 0.2).any()  # int(0.2 * 3) == 0: nothing
+    for sizes in ((1, 2), (2, 1), (1, 1, 1)):  # the cut splits the ties between processes
+        masks = simulated_ranks(acts.split(list(sizes)), lambda c, a: batch_topk_mask(c, 5 / 3, a))
+        expected = torch.zeros(12, dtype=torch.bool)
+        expected[[0, 1, 3, 4, 7]] = True  # 0.9, 0.7 and the first three 0.5s in flat order
+        assert torch.equal(torch.cat(masks), expected.view(3, 4)), sizes
 
 
 def tied_acts(rows: int, units: int) -> torch.Tensor:
@@ -216,10 +232,12 @@ def test_batch_topk_across_simulated_processes_is_the_one_process_mask(sizes, k,
     units = 5
     rows = sum(sizes)
     acts = tied_acts(rows, units) if ties else torch.rand(rows, units, dtype=torch.float64)
-    whole = batch_topk_mask(acts, k)
     masks = simulated_ranks(acts.split(list(sizes)), lambda c, a: batch_topk_mask(c, k, a))
-    assert torch.equal(torch.cat(masks), whole)
-    assert int(whole.sum()) == int(k * rows)
+    # ties at the cut: the first in the flat batch, a process's after those of lower ranks
+    expected = flat_order_mask(acts.numpy(), int(k * rows))
+    np.testing.assert_array_equal(torch.cat(masks).numpy(), expected)
+    if not ties:  # distinct values: the one-process mask
+        assert torch.equal(torch.cat(masks), batch_topk_mask(acts, k))
 
 
 def rect(u: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from torch import Tensor, nn
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
@@ -61,18 +62,25 @@ def run_language_model(module: pl.LightningModule, batch: Any) -> Any:
     return model(batch)
 
 
-def layer_rows(module: pl.LightningModule, layer: str, batch: Any) -> Tensor:
+def layer_rows(
+    module: pl.LightningModule, layer: str, batch: Any, kept: list[bool] | None = None
+) -> Tensor:
     """The rows the SAE reads from a batch of text: ``layer``'s output at each real token
-    (the batch's ``attention_mask``; every position without one), ``(tokens, d_in)``."""
+    (the batch's ``attention_mask``; every position without one) of the samples ``kept``
+    (all by default), ``(tokens, d_in)``."""
     model: nn.Module = getattr(module, MODEL)
     with ModelIOCatcher(model, module.device).from_spec(f"outputs[{layer}]") as captured:
         run_language_model(module, batch)
     output = captured[layer]["outputs"][0]
     hidden = output[0] if isinstance(output, tuple | list) else output
-    mask = real_tokens(batch, "SAEModule")
-    if mask is None or hidden.dim() < 3:
-        return hidden.reshape(-1, hidden.shape[-1])
-    return hidden[mask.to(hidden.device)]
+    if hidden.dim() < 3:  # one row a sample
+        return hidden if kept is None else hidden[torch.tensor(kept, device=hidden.device)]
+    found = real_tokens(batch, "SAEModule")
+    mask = torch.ones(hidden.shape[:2], dtype=torch.bool) if found is None else found.bool()
+    mask = mask.to(hidden.device)
+    if kept is not None:
+        mask = mask & torch.tensor(kept, device=hidden.device)[:, None]
+    return hidden[mask]
 
 
 def log_density(trainer: pl.Trainer, name: str, summary: UnitSummary, step: int) -> None:

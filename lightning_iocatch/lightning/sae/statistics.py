@@ -14,10 +14,13 @@ Examples:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
 
-__all__ = ["reconstruction_figures", "reconstruction_sums"]
+__all__ = ["batch_rows", "reconstruction_figures", "reconstruction_sums"]
 
 
 def reconstruction_sums(x: Tensor, reconstruction: Tensor, latents: Tensor) -> Tensor:
@@ -49,3 +52,27 @@ def reconstruction_figures(sums: Tensor) -> dict[str, float]:
         "explained_variance": 1 - error / spread if spread else float("nan"),
         "l0": active / rows,
     }
+
+
+def batch_rows(batch: Any, key: str | None, d_in: int) -> Tensor:
+    """The rows of a batch: a tensor, the one under ``key`` of a dict (or its one
+    floating tensor), or a tuple's first item; ``(rows, d_in)``."""
+    found = batch
+    if isinstance(batch, Mapping):
+        if key is not None:
+            found = batch[key]
+        else:
+            tensors = [value for value in batch.values() if isinstance(value, Tensor)
+                       and value.is_floating_point()]  # fmt: skip
+            if len(tensors) != 1:
+                raise ValueError(
+                    f"SAEModule: the batch holds {sorted(batch)}: name the rows' key "
+                    "with SAEModule(key=...)"
+                )
+            found = tensors[0]
+    elif isinstance(batch, Sequence) and not isinstance(batch, Tensor):
+        found = batch[0]
+    if not isinstance(found, Tensor) or found.shape[-1] != d_in:
+        shown = tuple(found.shape) if isinstance(found, Tensor) else type(found).__name__
+        raise ValueError(f"SAEModule: rows of width d_in={d_in} expected, got {shown}")
+    return found.reshape(-1, d_in)

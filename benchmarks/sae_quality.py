@@ -1,0 +1,203 @@
+"""SAEModule against SAELens' trainer as users run each: quality over seeds, and speed.
+
+    .venv-bench/bin/python benchmarks/sae_quality.py [--quick] [--seeds 3] [--epochs 2]
+
+The activations: the residual stream after block 2 of the compact-store study's byte-level
+GPT-2 (4 blocks, width 128, trained 300 steps on the Python standard library's text;
+benchmarks/compact_common.py, cached in .cache/compact-study/), 1,024 sequences of 128
+bytes dumped once as float32 token rows (131,072 rows). Held out: 64 sequences of other
+files (8,192 rows), from Hugging Face's ``output_hidden_states``.
+
+For each architecture both tools have (TopK k=32, BatchTopK k=32, JumpReLU, ReLU+L1;
+1,024 latents, batches of 1,024 rows, lr 3e-4 ... SAELens' defaults otherwise) and each
+seed, each tool trains from its own initial weights (``seed``) on its own shuffled order
+of the rows for ``epochs`` passes: SAELens through ``SAETrainer.step`` on batches drawn
+from the rows in memory (a permutation per epoch, its most favourable case: no reading),
+ours through ``Trainer.fit`` with ``StoreDataModule`` reading the store. Then, on the
+held-out rows, each SAE as its tool exports it (SAELens' ``save_inference_model`` and
+``SAE.load_from_disk``: a BatchTopK becomes a JumpReLU at its learned threshold; ours in
+eval mode, the same): MSE (per row, summed over inputs), explained variance, L0 and the fraction
+of latents that never fire. Printed per architecture: each figure's mean and range over
+the seeds for both tools, and the training throughput (rows per CPU-second of the
+process, rows per second) with its ratio per seed (interleaved: the tools alternate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from compact_common import FULL, QUICK, Setup, block_outputs, dump, eval_ids, quiet, trained_lm
+from compact_common import dump_ids as dumped_ids
+from compact_common import writer as store_writer
+
+from lightning_iocatch import StoreDataModule
+from lightning_iocatch.lightning.sae import SAEModule
+from lightning_iocatch.sae import SparseAutoencoder
+
+HERE = Path(__file__).resolve().parent
+LATENTS, K, BATCH, LR = 1024, 32, 1024, 3e-4  # --quick: 256 latents, k 8, batches of 128
+SPARSITY = {"jumprelu": 0.002, "relu": 0.5}  # l0 and l1 coefficients, warmed up over 1/10
+ARCHITECTURES = ("topk", "batchtopk", "jumprelu", "relu")
+
+
+def rows_store(setup: Setup, work: Path) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """The dumped store, its rows in memory (for SAELens), and the held-out rows."""
+    lm, _ = trained_lm(setup)
+    path = work / f"sae-quality-{setup.digest()}"
+    if not (path / "store.json").exists():
+        made = store_writer(path, "float32", None)
+        assert not isinstance(made, str), made
+        dump(lm, setup, dumped_ids(setup), made)
+    from lightning_iocatch import FeatureStore
+
+    rows = FeatureStore(path)[setup.key].float()
+    return path, rows, block_outputs(lm, setup, eval_ids(setup))
+
+
+def saelens_sae(architecture: str, seed: int, warmup: int, width: int) -> Any:
+    from sae_lens.saes.batchtopk_sae import BatchTopKTrainingSAE, BatchTopKTrainingSAEConfig
+    from sae_lens.saes.jumprelu_sae import JumpReLUTrainingSAE, JumpReLUTrainingSAEConfig
+    from sae_lens.saes.standard_sae import StandardTrainingSAE, StandardTrainingSAEConfig
+    from sae_lens.saes.topk_sae import TopKTrainingSAE, TopKTrainingSAEConfig
+
+    torch.manual_seed(seed)
+    common = {"d_in": width, "d_sae": LATENTS}
+    if architecture == "topk":
+        return TopKTrainingSAE(TopKTrainingSAEConfig(k=K, **common))
+    if architecture == "batchtopk":
+        return BatchTopKTrainingSAE(BatchTopKTrainingSAEConfig(k=K, **common))
+    if architecture == "jumprelu":
+        return JumpReLUTrainingSAE(JumpReLUTrainingSAEConfig(
+            l0_coefficient=SPARSITY["jumprelu"], l0_warm_up_steps=warmup, **common))  # fmt: skip
+    return StandardTrainingSAE(StandardTrainingSAEConfig(
+        l1_coefficient=SPARSITY["relu"], l1_warm_up_steps=warmup, **common))  # fmt: skip
+
+
+def train_saelens(architecture: str, seed: int, rows: torch.Tensor, epochs: int) -> Any:
+    from sae_lens.config import SAETrainerConfig
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    steps = epochs * (rows.shape[0] // BATCH)
+    sae = saelens_sae(architecture, seed, warmup=steps // 10, width=rows.shape[1])
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(epochs):
+        order = torch.randperm(rows.shape[0], generator=generator)
+        batches += [rows[order[i : i + BATCH]] for i in range(0, rows.shape[0] - BATCH + 1, BATCH)]
+    config = SAETrainerConfig(total_training_samples=steps * BATCH, lr=LR, lr_end=LR / 10,
+                              train_batch_size_samples=BATCH)  # fmt: skip
+    trainer = SAETrainer(config, sae, data_provider=iter(batches))
+    for batch in batches:
+        trainer.step(batch)
+        trainer.n_training_steps += 1
+    return _as_users_load(sae)
+
+
+def _as_users_load(sae: Any) -> Any:
+    """The SAE SAELens' own export saves and its loader gives back (a BatchTopK becomes a
+    JumpReLU at its learned threshold), as a user evaluates it."""
+    import tempfile
+
+    from sae_lens import SAE
+
+    with tempfile.TemporaryDirectory() as folder:
+        sae.save_inference_model(folder)
+        return SAE.load_from_disk(folder).eval()
+
+
+def train_ours(
+    architecture: str, seed: int, path: Path, key: str, epochs: int, shape: tuple[int, int]
+) -> SparseAutoencoder:
+    data = StoreDataModule(path, key, batch_size=BATCH, seed=seed, drop_last=True)
+    steps = epochs * (shape[0] // BATCH)
+    module = SAEModule(shape[1], LATENTS, architecture, K if "topk" in architecture else None,  # type: ignore[arg-type]
+                       key=key, lr=LR, seed=seed, sparsity_coefficient=SPARSITY.get(architecture, 1.0),
+                       sparsity_warmup_steps=steps // 10)  # fmt: skip
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    return module.sae.eval()
+
+
+def held_out(encode: Any, decode: Any, x: torch.Tensor) -> dict[str, float]:
+    with torch.no_grad():
+        latents = encode(x)
+        error = (decode(latents) - x).double().pow(2).sum(-1)
+    spread = (x.double() - x.double().mean(0)).pow(2).sum(-1)
+    return {
+        "mse": float(error.mean()),
+        "explained_variance": float(1 - error.mean() / spread.mean()),
+        "l0": float((latents != 0).double().sum(-1).mean()),
+        "dead_fraction": float(((latents != 0).sum(0) == 0).double().mean()),
+    }
+
+
+def timed(run: Any) -> tuple[Any, float, float]:
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = run()
+    return result, time.process_time() - cpu, time.perf_counter() - wall
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--only", default=",".join(ARCHITECTURES))
+    args = parser.parse_args()
+    quiet()
+    torch.set_num_threads(1)
+    setup = QUICK if args.quick else FULL
+    if args.quick:
+        global LATENTS, K, BATCH
+        LATENTS, K, BATCH = 256, 8, 128
+    path, rows, evaluation = rows_store(setup, HERE / ".stores")
+    import sae_lens
+
+    report: dict[str, Any] = {"sae_lens": sae_lens.__version__, "torch": torch.__version__,
+                              "rows": rows.shape[0], "held_out_rows": evaluation.shape[0]}  # fmt: skip
+    for architecture in args.only.split(","):
+        found: dict[str, dict[str, list[float]]] = {"saelens": {}, "ours": {}}
+        for seed in range(args.seeds):
+            runs = {
+                "saelens": lambda: train_saelens(architecture, seed, rows, args.epochs),
+                "ours": lambda: train_ours(
+                    architecture, seed, path, setup.key, args.epochs, tuple(rows.shape)
+                ),
+            }
+            for tool in runs if seed % 2 else list(runs)[::-1]:
+                sae, cpu, wall = timed(runs[tool])
+                figures = held_out(sae.encode, sae.decode, evaluation)
+                trained = args.epochs * (rows.shape[0] // BATCH) * BATCH
+                figures |= {"rows_per_cpu_s": trained / cpu, "rows_per_s": trained / wall}
+                for name, value in figures.items():
+                    found[tool].setdefault(name, []).append(value)
+        ratios = [o / s for o, s in zip(found["ours"]["rows_per_cpu_s"],
+                                        found["saelens"]["rows_per_cpu_s"], strict=True)]  # fmt: skip
+        report[architecture] = {tool: {name: spread(values) for name, values in figures.items()}
+                                for tool, figures in found.items()}  # fmt: skip
+        report[architecture]["throughput_ratio_cpu"] = spread(ratios)
+        line = [f"{architecture:9}"]
+        for name in ("mse", "explained_variance", "l0", "dead_fraction"):
+            ours, theirs = report[architecture]["ours"][name], report[architecture]["saelens"][name]
+            line.append(f"{name} {ours['mean']:.4g} [{ours['min']:.4g}, {ours['max']:.4g}] vs "
+                        f"{theirs['mean']:.4g} [{theirs['min']:.4g}, {theirs['max']:.4g}]")  # fmt: skip
+        line.append(f"rows/CPU-s ours/SAELens {statistics.median(ratios):.2f}x "
+                    f"[{min(ratios):.2f}, {max(ratios):.2f}]")  # fmt: skip
+        print(" | ".join(line), flush=True)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

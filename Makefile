@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test test-slow lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects test-peers bench-atp bench-atp-cost test-peers-atp bench-health bench-compact bench-compact-sae bench-compact-study bench-sharded clean
+.PHONY: venv test test-slow lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects bench-sae test-peers bench-atp bench-atp-cost test-peers-atp bench-health bench-compact bench-compact-sae bench-compact-study bench-sharded clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,14 @@ bench-tokens: $(BENCH_VENV)/bin/.installed
 # The tests that compare with a peer's own code (SAELens' evaluation of an SAE).
 test-peers: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python -m pytest -q tests/lightning/test_effects_saelens.py tests/peers/test_sae_saelens.py
+
+# SAEModule against SAELens' own trainer (in the SAELens environment): step for step from the
+# same weights and batches (float32 bit for bit, float64 to 1e-12), then quality over 3 seeds
+# and training throughput as users run each tool (about 15 minutes; trains the compact study's
+# GPT-2 once, cached in .cache/compact-study/).
+bench-sae: $(BENCH_VENV)/bin/.installed
+	$(BENCH_VENV)/bin/python benchmarks/sae_parity.py
+	cd benchmarks && ../$(BENCH_VENV)/bin/python sae_quality.py
 
 # Unit statistics (top-k, density) against delphi's in-memory cache: eai-delphi in an
 # environment of its own. eai-delphi brings torchvision and torchaudio built for another

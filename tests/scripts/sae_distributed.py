@@ -38,17 +38,39 @@ from lightning_iocatch.sae import SparseAutoencoder
 D_IN, D_SAE, K, BATCH, STEPS = 16, 64, 4, 64, 30
 ARCHITECTURES = ("topk", "batchtopk", "jumprelu", "relu")
 SHARES = {"even": (32, 32), "uneven": (40, 24)}
+CASES = [("ddp", architecture, split) for architecture in ARCHITECTURES for split in SHARES]
+CASES += [("fsdp", architecture, "uneven") for architecture in ARCHITECTURES]
+CASES += [("fsdp", "batchtopk", "even")]
 EVERY = 3  # checkpoint every EVERY optimizer steps (resume)
 KEY = "h/outputs"
 
 
 def rows(count: int, seed: int = 0) -> torch.Tensor:
     """``count`` float64 rows of a fixed low-rank mixture: few directions for 64 latents,
-    so latents die and the auxiliary loss works."""
+    so latents die and the auxiliary loss works. Four of the ten directions appear only
+    in the last 24 rows of every 64, one process's share in either split: latents that
+    fire on one process only, which only a count over both keeps alive."""
     generator = torch.Generator().manual_seed(seed)
-    basis = torch.randn(6, D_IN, generator=generator, dtype=torch.float64)
-    codes = torch.relu(torch.randn(count, 6, generator=generator, dtype=torch.float64))
-    return codes @ basis + 0.05 * torch.randn(count, D_IN, generator=generator, dtype=torch.float64)
+    basis = torch.randn(10, D_IN, generator=generator, dtype=torch.float64)
+    codes = torch.relu(torch.randn(count, 10, generator=generator, dtype=torch.float64))
+    codes[:, 6:] *= (torch.arange(count) % BATCH >= BATCH - 24)[:, None]
+    noise = 0.05 * torch.randn(count, D_IN, generator=generator, dtype=torch.float64)
+    return codes @ basis + noise
+
+
+def write_store(path: Path, count: int) -> None:
+    """A store of ``count`` float32 rows of :func:`rows` under ``KEY``, in stored batches of
+    100 rows."""
+    from lightning_iocatch.store.plan import prepare_store
+    from lightning_iocatch.store.writer import ShardWriter
+
+    settings = {"spec": None, "stage": "predict", "dtype": None}
+    writer = ShardWriter(path, rank=0, plan=prepare_store(path, "create", settings))
+    values = rows(count, seed=2).float()
+    for first in range(0, count, 100):
+        index = list(range(first, min(first + 100, count)))
+        writer.write({KEY: values[index]}, indices=index)
+    writer.close()
 
 
 def global_batches() -> list[torch.Tensor]:
@@ -81,7 +103,8 @@ def state(module: SAEModule) -> dict[str, torch.Tensor]:
         found[name] = (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
     for name in ("tokens_since_fired", "norm_sum", "norm_rows", "norm_batches"):
         found[name] = getattr(module, name).detach().clone()
-    return found
+    sharded = [hasattr(value, "full_tensor") for value in module.sae.parameters()]
+    return {**found, "sharded": torch.tensor(sharded)}
 
 
 class Shares(pl.LightningDataModule):
@@ -120,23 +143,19 @@ def fit_shares(architecture: str, shares: tuple[int, ...], devices: int = 1,
 
 
 def main(out: Path) -> None:
-    """One process of the 2-process DDP run (in the shared launch of tests/ddp_scenarios.py)."""
-    found = {(architecture, split): fit_shares(architecture, shares, 2, "ddp")
-             for architecture in ARCHITECTURES for split, shares in SHARES.items()}  # fmt: skip
-    if torch.distributed.get_rank() == 0:
-        torch.save(found, out / "ddp.pt")
-
-
-def fsdp(out: Path) -> None:
+    """One process of the 2-process run (in the shared launch of tests/ddp_scenarios.py):
+    every (architecture, split) under DDP, then under FSDP2 (``ModelParallelStrategy``)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     found = {}
     for architecture in ARCHITECTURES:
         for split, shares in SHARES.items():
-            strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-            found[architecture, split] = fit_shares(architecture, shares, 2, strategy)
+            found["ddp", architecture, split] = fit_shares(architecture, shares, 2, "ddp")
+            if ("fsdp", architecture, split) in CASES:
+                strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+                found["fsdp", architecture, split] = fit_shares(architecture, shares, 2, strategy)
     if torch.distributed.get_rank() == 0:
-        torch.save(found, out / "fsdp.pt")
+        torch.save(found, out / "states.pt")
 
 
 class Killed(SAEModule):
@@ -166,7 +185,7 @@ def resume(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    trained = module("batchtopk", getattr(torch, args.dtype), Killed, total_steps=None)
+    trained = module("batchtopk", getattr(torch, args.dtype), Killed, total_steps=24)
     trained.kill_after_batch = args.kill_after_batch  # type: ignore[attr-defined]
     data = StoreDataModule(args.store, KEY, batch_size=args.batch_size, seed=5, shuffle_rows=256)
     checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt", filename="{step}",
@@ -177,13 +196,10 @@ def resume(argv: list[str]) -> None:
         warnings.simplefilter("ignore")
         run.fit(trained, datamodule=data, ckpt_path=args.ckpt)
     if run.global_rank == 0:
-        torch.save({**state(trained), "steps": torch.tensor(run.global_step)}, args.out / "final.pt")
+        torch.save(
+            {**state(trained), "steps": torch.tensor(run.global_step)}, args.out / "final.pt"
+        )
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "fsdp":
-        fsdp(Path(sys.argv[2]))
-    elif sys.argv[1] == "resume":
-        resume(sys.argv[2:])
-    else:
-        raise SystemExit(f"unknown mode {sys.argv[1]!r}: fsdp or resume")
+    resume(sys.argv[1:])

@@ -203,6 +203,18 @@ class SAEModule(pl.LightningModule):
         self.objective.train()
 
     @override
+    def on_fit_start(self) -> None:
+        if self.layer is not None:  # the model's modes, given back after fit
+            self._model_modes = {m: m.training for m in self.language_model.modules()}
+            self.language_model.train()  # unused in training; validation sets eval mode
+
+    @override
+    def teardown(self, stage: str) -> None:
+        for module, training in getattr(self, "_model_modes", {}).items():
+            module.train(training)
+        self._model_modes = {}
+
+    @override
     def configure_callbacks(self) -> list[pl.Callback]:
         return [] if self.layer is None else [splice_effects(self.layer, self._reconstruct)]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import pytest
@@ -21,11 +21,25 @@ from tests.lightning_models import tiny_llama
 LAYER = "model.layers.1"
 
 
-@pytest.fixture(autouse=True)
-def _quiet() -> None:
+class Fitted(NamedTuple):
+    lm: Any
+    text: list[dict[str, torch.Tensor]]
+    before: dict[str, torch.Tensor]
+    module: SAEModule
+    trainer: pl.Trainer
+    warned: list[str]
+
+
+@pytest.fixture(scope="module")
+def fitted() -> Fitted:
+    """One fit shared by the tests: a 3-layer tiny Llama in eval mode, as given."""
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    warnings.filterwarnings("ignore", ".*LeafSpec.*")
+    lm, text = tiny_llama(num_hidden_layers=3), _text()
+    before = {name: value.clone() for name, value in lm.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module, trainer = _trained(lm, text)
+    return Fitted(lm, text, before, module, trainer, [str(w.message) for w in caught])
 
 
 def _text() -> list[dict[str, torch.Tensor]]:
@@ -48,6 +62,7 @@ def _hidden(lm: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _trained(lm: Any, text: list[dict[str, torch.Tensor]]) -> tuple[SAEModule, pl.Trainer]:
+    torch.manual_seed(0)  # the training loader's shuffle
     rows = torch.cat([_hidden(lm, batch) for batch in text]).repeat(8, 1)
     module = SAEModule(32, 96, "topk", k=6, lr=3e-3, language_model=lm, layer=LAYER)
     trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
@@ -96,9 +111,8 @@ def _by_hand(lm: Any, text: list[dict[str, torch.Tensor]], edit: Any) -> tuple[f
     return loss / count, kl / positions
 
 
-def test_rows_and_reconstruction_figures_are_the_layers_real_tokens() -> None:
-    lm, text = tiny_llama(num_hidden_layers=3), _text()
-    module, trainer = _trained(lm, text)
+def test_rows_and_reconstruction_figures_are_the_layers_real_tokens(fitted: Fitted) -> None:
+    lm, text, module, trainer = fitted.lm, fitted.text, fitted.module, fitted.trainer
     rows = torch.cat([_hidden(lm, batch) for batch in text]).double()
     sae = module.sae.eval()
     with torch.no_grad():
@@ -114,9 +128,8 @@ def test_rows_and_reconstruction_figures_are_the_layers_real_tokens() -> None:
     assert float(logged["val/l0"]) == pytest.approx(float(active.mean()))
 
 
-def test_loss_recovered_and_kl_equal_a_hand_written_splice() -> None:
-    lm, text = tiny_llama(num_hidden_layers=3), _text()
-    module, trainer = _trained(lm, text)
+def test_loss_recovered_and_kl_equal_a_hand_written_splice(fitted: Fitted) -> None:
+    lm, text, module, trainer = fitted.lm, fitted.text, fitted.module, fitted.trainer
     sae = module.sae.eval()
     clean, _ = _by_hand(lm, text, lambda h: h)
     spliced, spliced_kl = _by_hand(lm, text, lambda h: sae(h))
@@ -131,11 +144,11 @@ def test_loss_recovered_and_kl_equal_a_hand_written_splice() -> None:
     assert logged["sae/sae/loss_recovered"] == pytest.approx(recovered, rel=1e-4)
 
 
-def test_the_frozen_model_is_left_out_of_checkpoints_and_the_optimizer(tmp_path: Any) -> None:
-    lm, text = tiny_llama(num_hidden_layers=3), _text()
-    before = {name: value.clone() for name, value in lm.state_dict().items()}
-    module, trainer = _trained(lm, text)
-    assert all(torch.equal(value, lm.state_dict()[name]) for name, value in before.items())
+def test_the_frozen_model_is_left_out_of_checkpoints_and_the_optimizer(
+    fitted: Fitted, tmp_path: Any
+) -> None:
+    lm, module, trainer = fitted.lm, fitted.module, fitted.trainer
+    assert all(torch.equal(value, lm.state_dict()[name]) for name, value in fitted.before.items())
     optimized = {
         id(p) for group in module.optimizers().optimizer.param_groups for p in group["params"]
     }
@@ -159,11 +172,6 @@ def test_a_layer_the_model_lacks_is_refused_with_near_names() -> None:
         SAEModule(32, 96, "topk", k=6, language_model=lm)
 
 
-def test_fit_gives_the_model_back_in_its_modes() -> None:
-    lm, text = tiny_llama(num_hidden_layers=3), _text()  # in eval mode
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no "modules in eval mode" warning
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        warnings.filterwarnings("ignore", ".*LeafSpec.*")
-        _trained(lm, text)
-    assert not any(module.training for module in lm.modules())
+def test_fit_gives_the_model_back_in_its_modes(fitted: Fitted) -> None:
+    assert not [message for message in fitted.warned if "in eval mode" in message]
+    assert not any(module.training for module in fitted.lm.modules())  # eval, as given

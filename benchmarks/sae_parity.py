@@ -9,8 +9,8 @@ through ``SAETrainer.step`` (its public seam: forward, dead-latent counts, backw
 clipping at 1.0, Adam, schedules), ours through ``Trainer.fit``. After every step the
 largest absolute difference of every parameter (and BatchTopK's threshold) is taken;
 the script prints, per architecture, the largest difference over the first 50 steps and
-over all steps, and exits non-zero if float64 differs by more than 1e-12 or float32's
-first 50 steps by more than 1e-6.
+over all steps, and exits non-zero if float64 differs by more than 1e-12 or float32 by more
+than 1e-6 at any step (measured: 0 in float32, bit for bit, over 384 steps).
 
 The batches are random rows of a fixed low-rank mixture (so latents die and the
 auxiliary loss works); a short dead-latent window (8 steps) and a learning-rate warmup
@@ -178,7 +178,7 @@ def main() -> None:
             found = compare(architecture, dtype, args.steps)
             report[f"{architecture}/{name}"] = found
             bound = 1e-12 if dtype == torch.float64 else 1e-6
-            figure = found["all"] if dtype == torch.float64 else found["first_50"]
+            figure = found["all"]  # float32: every step, not only the issue's first 50
             failed |= figure > bound
             print(f"{architecture:9} {name}: first 50 steps {found['first_50']:.3g}, all "
                   f"{found['all']:.3g} (largest at step {found['step_of_largest']}; W_dec moved "

@@ -9,11 +9,14 @@ bytes dumped once as float32 token rows (131,072 rows). Held out: 64 sequences o
 files (8,192 rows), from Hugging Face's ``output_hidden_states``.
 
 For each architecture both tools have (TopK k=32, BatchTopK k=32, JumpReLU, ReLU+L1;
-1,024 latents, batches of 1,024 rows, lr 3e-4 ... SAELens' defaults otherwise) and each
+1,024 latents, batches of 1,024 rows, lr 1e-3, a latent dead after 32 steps without
+firing, L1 coefficient 2 and L0 coefficient 0.05 warmed up over a tenth of the run;
+SAELens' defaults otherwise) and each
 seed, each tool trains from its own initial weights (``seed``) on its own shuffled order
 of the rows for ``epochs`` passes: SAELens through ``SAETrainer.step`` on batches drawn
 from the rows in memory (a permutation per epoch, its most favourable case: no reading),
-ours through ``Trainer.fit`` with ``StoreDataModule`` reading the store. Then, on the
+ours through ``Trainer.fit`` with ``StoreDataModule`` reading the store (``shuffle_rows`` all
+the rows: the same randomness as a permutation). Then, on the
 held-out rows, each SAE as its tool exports it (SAELens' ``save_inference_model`` and
 ``SAE.load_from_disk``: a BatchTopK becomes a JumpReLU at its learned threshold; ours in
 eval mode, the same): MSE (per row, summed over inputs), explained variance, L0 and the fraction
@@ -25,6 +28,7 @@ process, rows per second) with its ratio per seed (interleaved: the tools altern
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -42,8 +46,9 @@ from lightning_iocatch.lightning.sae import SAEModule
 from lightning_iocatch.sae import SparseAutoencoder
 
 HERE = Path(__file__).resolve().parent
-LATENTS, K, BATCH, LR = 1024, 32, 1024, 3e-4  # --quick: 256 latents, k 8, batches of 128
-SPARSITY = {"jumprelu": 0.002, "relu": 0.5}  # l0 and l1 coefficients, warmed up over 1/10
+LATENTS, K, BATCH, LR = 1024, 32, 1024, 1e-3  # --quick: 256 latents, k 8, batches of 128
+SPARSITY = {"jumprelu": 0.05, "relu": 2.0}  # l0 and l1 coefficients, warmed up over 1/10
+WINDOW = 32  # steps without firing after which a latent is dead (SAELens' 1,000 > a run)
 ARCHITECTURES = ("topk", "batchtopk", "jumprelu", "relu")
 
 
@@ -92,7 +97,8 @@ def train_saelens(architecture: str, seed: int, rows: torch.Tensor, epochs: int)
         order = torch.randperm(rows.shape[0], generator=generator)
         batches += [rows[order[i : i + BATCH]] for i in range(0, rows.shape[0] - BATCH + 1, BATCH)]
     config = SAETrainerConfig(total_training_samples=steps * BATCH, lr=LR, lr_end=LR / 10,
-                              train_batch_size_samples=BATCH)  # fmt: skip
+                              train_batch_size_samples=BATCH,
+                              dead_feature_window=WINDOW)  # fmt: skip
     trainer = SAETrainer(config, sae, data_provider=iter(batches))
     for batch in batches:
         trainer.step(batch)
@@ -115,13 +121,19 @@ def _as_users_load(sae: Any) -> Any:
 def train_ours(
     architecture: str, seed: int, path: Path, key: str, epochs: int, shape: tuple[int, int]
 ) -> SparseAutoencoder:
-    data = StoreDataModule(path, key, batch_size=BATCH, seed=seed, drop_last=True)
+    # every row shuffled with every other, as SAELens' permutation of the rows in memory
+    data = StoreDataModule(path, key, batch_size=BATCH, seed=seed, drop_last=True,
+                           shuffle_rows=shape[0])  # fmt: skip
     steps = epochs * (shape[0] // BATCH)
-    module = SAEModule(shape[1], LATENTS, architecture, K if "topk" in architecture else None,  # type: ignore[arg-type]
-                       key=key, lr=LR, seed=seed, sparsity_coefficient=SPARSITY.get(architecture, 1.0),
-                       sparsity_warmup_steps=steps // 10)  # fmt: skip
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    k = K if "topk" in architecture else None
+    module = SAEModule(
+        shape[1], LATENTS, architecture, k, key=key, lr=LR, seed=seed,  # type: ignore[arg-type]
+        sparsity_coefficient=SPARSITY.get(architecture, 1.0), sparsity_warmup_steps=steps // 10,
+        dead_after_tokens=WINDOW * BATCH,
+    )  # fmt: skip
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)  # fmt: skip
     trainer.fit(module, datamodule=data)
     return module.sae.eval()
 
@@ -149,11 +161,15 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
+def _shown(figure: dict[str, float]) -> str:
+    return f"{figure['mean']:.4g} [{figure['min']:.4g}, {figure['max']:.4g}]"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--only", default=",".join(ARCHITECTURES))
     args = parser.parse_args()
     quiet()
@@ -165,15 +181,17 @@ def main() -> None:
     path, rows, evaluation = rows_store(setup, HERE / ".stores")
     import sae_lens
 
-    report: dict[str, Any] = {"sae_lens": sae_lens.__version__, "torch": torch.__version__,
-                              "rows": rows.shape[0], "held_out_rows": evaluation.shape[0]}  # fmt: skip
+    report: dict[str, Any] = {
+        "sae_lens": sae_lens.__version__, "torch": torch.__version__,
+        "rows": rows.shape[0], "held_out_rows": evaluation.shape[0],
+    }  # fmt: skip
     for architecture in args.only.split(","):
         found: dict[str, dict[str, list[float]]] = {"saelens": {}, "ours": {}}
         for seed in range(args.seeds):
             runs = {
-                "saelens": lambda: train_saelens(architecture, seed, rows, args.epochs),
-                "ours": lambda: train_ours(
-                    architecture, seed, path, setup.key, args.epochs, tuple(rows.shape)
+                "saelens": functools.partial(train_saelens, architecture, seed, rows, args.epochs),
+                "ours": functools.partial(
+                    train_ours, architecture, seed, path, setup.key, args.epochs, tuple(rows.shape)
                 ),
             }
             for tool in runs if seed % 2 else list(runs)[::-1]:
@@ -183,16 +201,18 @@ def main() -> None:
                 figures |= {"rows_per_cpu_s": trained / cpu, "rows_per_s": trained / wall}
                 for name, value in figures.items():
                     found[tool].setdefault(name, []).append(value)
-        ratios = [o / s for o, s in zip(found["ours"]["rows_per_cpu_s"],
-                                        found["saelens"]["rows_per_cpu_s"], strict=True)]  # fmt: skip
+        pairs = zip(
+            found["ours"]["rows_per_cpu_s"], found["saelens"]["rows_per_cpu_s"], strict=True
+        )
+        ratios = [ours / theirs for ours, theirs in pairs]
         report[architecture] = {tool: {name: spread(values) for name, values in figures.items()}
                                 for tool, figures in found.items()}  # fmt: skip
         report[architecture]["throughput_ratio_cpu"] = spread(ratios)
         line = [f"{architecture:9}"]
         for name in ("mse", "explained_variance", "l0", "dead_fraction"):
-            ours, theirs = report[architecture]["ours"][name], report[architecture]["saelens"][name]
-            line.append(f"{name} {ours['mean']:.4g} [{ours['min']:.4g}, {ours['max']:.4g}] vs "
-                        f"{theirs['mean']:.4g} [{theirs['min']:.4g}, {theirs['max']:.4g}]")  # fmt: skip
+            ours = report[architecture]["ours"][name]
+            theirs = report[architecture]["saelens"][name]
+            line.append(f"{name} {_shown(ours)} vs {_shown(theirs)}")
         line.append(f"rows/CPU-s ours/SAELens {statistics.median(ratios):.2f}x "
                     f"[{min(ratios):.2f}, {max(ratios):.2f}]")  # fmt: skip
         print(" | ".join(line), flush=True)

@@ -32,7 +32,7 @@ from lightning.pytorch.overrides.distributed import (
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
-__all__ = ["BatchIndexer", "missing_indices_reason"]
+__all__ = ["BatchIndexer", "item_repeated", "lightning_logs_now", "missing_indices_reason"]
 
 
 def _loader(trainer: pl.Trainer, stage: str, dataloader_idx: int) -> Any:
@@ -196,3 +196,21 @@ class _Walker:
             start = self._position
             self._position += len(found) if found is not None else 0
         return (start, tuple(found)) if found is not None else None
+
+
+def item_repeated(trainer: pl.Trainer, stage: str, batch_idx: int, dataloader_idx: int) -> bool:
+    """Whether item ``batch_idx`` of a loader without batching (``batch_size=None``: each
+    item is a whole batch) repeats one another process reads (a ``DistributedSampler``'s
+    padding); ``False`` for a loader that batches (see :class:`BatchIndexer`)."""
+    loader = _loader(trainer, stage, dataloader_idx)
+    if loader is None or getattr(loader, "batch_sampler", None) is not None:
+        return False
+    found = _Padding(getattr(loader, "sampler", None)).of(batch_idx, 1)
+    return bool(found and found[0])
+
+
+def lightning_logs_now(trainer: pl.Trainer) -> bool:
+    """Whether Lightning sends this training step's logged values to the loggers (its
+    ``log_every_n_steps`` counted in the batches that stepped, as its logger connector)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    return bool(getattr(connector, "should_update_logs", True))

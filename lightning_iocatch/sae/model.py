@@ -44,8 +44,10 @@ class SparseAutoencoder(nn.Module):
             0.99 old + 0.01 the batch's smallest kept value, as SAELens), and outside
             training it is a JumpReLU at that threshold (what the export saves).
         ``"jumprelu"``: ``pre`` where above a learned per-latent ``threshold`` (a float32
-            parameter, kept at or above 0 by the training step), straight-through
-            gradients of ``bandwidth`` to the threshold (DeepMind's, SAELens 6's).
+            parameter, clamped at 0 before each training step; outside training
+            ``relu(pre)`` there, as SAELens' inference SAE, and exported clamped),
+            straight-through gradients of ``bandwidth`` to the threshold (DeepMind's,
+            SAELens 6's).
         ``"relu"``: ``relu(pre)``, trained with an L1 penalty.
 
     Args:
@@ -156,6 +158,8 @@ class SparseAutoencoder(nn.Module):
             return pre.relu() * (pre > self.topk_threshold.to(pre.dtype))
         if self.architecture == "jumprelu":
             threshold = self.threshold.to(pre.dtype)
+            if not self.training:  # SAELens' inference: a threshold below 0 passes no negative
+                return pre.relu() * (pre > threshold)
             return JumpReLU.apply(pre, threshold, self.bandwidth)
         return pre.relu()
 
@@ -181,8 +185,8 @@ class SparseAutoencoder(nn.Module):
         w_enc, b_enc = self.W_enc * scale, self.b_enc.clone()
         w_dec, b_dec = self.W_dec / scale, self.b_dec / scale
         threshold = None
-        if self.architecture == "jumprelu":
-            threshold = self.threshold.to(b_enc.dtype).clone()
+        if self.architecture == "jumprelu":  # the last step may leave some below 0
+            threshold = self.threshold.to(b_enc.dtype).clamp(min=0)
         elif self.architecture == "batchtopk":
             threshold = torch.full_like(b_enc, float(self.topk_threshold))
         if self.scale_by_decoder_norm:

@@ -38,6 +38,7 @@ SAELENS_VERSION = "6.54.12"
 """The SAELens release whose format is written (and tested, in a bench environment)."""
 
 _CONFIG, _WEIGHTS, _SPARSITY = "cfg.json", "sae_weights.safetensors", "sparsity.safetensors"
+_SCALER = "activation_scaler.json"
 _SAELENS_ARCHITECTURE = {"topk": "topk", "batchtopk": "jumprelu", "jumprelu": "jumprelu",
                          "relu": "standard"}  # fmt: skip
 _OURS = {"topk": "topk", "batchtopk": "batchtopk", "jumprelu": "jumprelu", "standard": "relu"}
@@ -123,7 +124,23 @@ def load_saelens(
             f"{str(path)!r} normalises its inputs at run time ({normalization!r}), which "
             "SparseAutoencoder does not: fold it into the weights first"
         )
-    return _built(config, weights, _OURS[architecture], dtype)
+    sae = _built(config, weights, _OURS[architecture], dtype)
+    scaler = path / _SCALER  # a training checkpoint's factor, not folded into its weights
+    if scaler.is_file():
+        saved = json.loads(scaler.read_text())
+        if saved.get("whitening") or saved.get("has_whitening"):
+            raise ValueError(
+                f"{str(scaler)!r} whitens the inputs, which SparseAutoencoder does not"
+            )
+        if saved.get("scaling_factor") is not None:
+            sae.input_scale.fill_(float(saved["scaling_factor"]))
+    elif normalization == "expected_average_only_in":
+        raise ValueError(
+            f"{str(path)!r} is a training checkpoint whose inputs are scaled by a factor kept in "
+            f"{_SCALER}, which is not there: copy it in from the checkpoint, or load the SAE "
+            "SAELens exported at the end of training"
+        )
+    return sae
 
 
 def _built(

@@ -155,3 +155,14 @@ def test_killed_and_resumed_on_two_processes(resumed: Path) -> None:
     torch.testing.assert_close(two["topk_threshold"], whole["topk_threshold"], rtol=0, atol=1e-8)
     for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
         torch.testing.assert_close(two[name], whole[name], rtol=0, atol=1e-6)
+
+
+def test_validation_counts_a_samplers_repeats_once(two_processes: dict) -> None:
+    from tests.scripts.sae_distributed import validate_figures
+
+    alone = validate_figures(devices=1)
+    for loader in ("items", "samples"):
+        together = two_processes["validate"][loader]
+        assert together.keys() == alone[loader].keys() and "val/mse" in together
+        for name, value in alone[loader].items():
+            assert together[name] == pytest.approx(value, rel=1e-6, abs=1e-9), (loader, name)

@@ -154,8 +154,29 @@ def main(out: Path) -> None:
             if ("fsdp", architecture, split) in CASES:
                 strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
                 found["fsdp", architecture, split] = fit_shares(architecture, shares, 2, strategy)
+    found["validate"] = validate_figures(devices=2)
     if torch.distributed.get_rank() == 0:
         torch.save(found, out / "states.pt")
+
+
+def validate_figures(devices: int = 1) -> dict[str, dict[str, float]]:
+    """``val/...`` of a trained-looking SAE over a loader of 3 whole batches (``batch_size=
+    None``: Lightning's DistributedSampler repeats one of them on 2 processes) and over 9
+    rows in batches of 4 (it repeats one row), each counted once."""
+    validated = module("topk", dtype=torch.float32)
+    with torch.no_grad():
+        validated.sae.b_enc.add_(0.05)
+    loaders = {"items": DataLoader(list(rows(3 * BATCH, seed=3).float().split(BATCH)),
+                                   batch_size=None),
+               "samples": DataLoader(rows(9, seed=4).float(), batch_size=4)}  # fmt: skip
+    found = {}
+    for name, loader in loaders.items():
+        run = trainer(devices, "ddp" if devices > 1 else "auto", use_distributed_sampler=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run.validate(validated, loader, verbose=False)
+        found[name] = {key: float(value) for key, value in run.callback_metrics.items()}
+    return found
 
 
 class Killed(SAEModule):

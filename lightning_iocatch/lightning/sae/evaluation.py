@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_iocatch.capture.catcher import ModelIOCatcher
 from lightning_iocatch.capture.edits import Replace, Zero
@@ -29,7 +30,7 @@ from lightning_iocatch.lightning.health_histograms import _wandb_logger_class
 from lightning_iocatch.probes.unit_summary import UnitSummary
 from lightning_iocatch.token_mask import real_tokens
 
-__all__ = ["checked_layer", "layer_rows", "log_density", "splice_effects"]
+__all__ = ["LanguageModelHooks", "checked_layer", "layer_rows", "log_density", "splice_effects"]
 
 MODEL = "language_model"
 """Where SAEModule holds the language model (the names its edits use start with it)."""
@@ -125,3 +126,51 @@ def checked_layer(model: nn.Module | None, layer: str | None) -> str | None:
             + " (list them with `lightning-iocatch modules`)"
         )
     return layer
+
+
+class LanguageModelHooks(pl.LightningModule):
+    """The hooks of :class:`~lightning_iocatch.lightning.sae.SAEModule` for its
+    ``language_model=``: the splice's effects as a callback, the model's modes given back
+    after fit, its weights left out of checkpoints (and taken from the given model when one
+    is loaded)."""
+
+    layer: str | None
+    language_model: nn.Module
+    objective: Any
+    _model_modes: dict[nn.Module, bool]
+
+    @override
+    def on_fit_start(self) -> None:
+        if self.layer is not None:  # the model's modes, given back after fit
+            self._model_modes = {m: m.training for m in self.language_model.modules()}
+            self.language_model.train()  # unused in training; validation sets eval mode
+
+    @override
+    def teardown(self, stage: str) -> None:
+        for module, training in getattr(self, "_model_modes", {}).items():
+            module.train(training)
+        self._model_modes = {}
+
+    @override
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [] if self.layer is None else [splice_effects(self.layer, self._reconstruct)]
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("state_dict", {})
+        for name in [name for name in state if name.startswith(f"{MODEL}.")]:
+            del state[name]
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("state_dict")
+        if self.layer is not None and state is not None:  # not saved: the given model's
+            for name, value in self.language_model.state_dict().items():
+                state[f"{MODEL}.{name}"] = value
+
+    def _reconstruct(self, hidden: Tensor) -> Tensor:
+        """The SAE's reconstruction of a layer's output, at its scale (through the
+        objective's forward, where a strategy gathers the parameters)."""
+        step = self.objective(hidden.reshape(-1, hidden.shape[-1]))
+        raw = step.reconstruction / self.objective.sae.input_scale.to(step.reconstruction.dtype)
+        return raw.reshape(hidden.shape)

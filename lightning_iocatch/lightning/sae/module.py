@@ -22,17 +22,21 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_iocatch.lightning.batch_indices import BatchIndexer
+from lightning_iocatch.lightning.batch_indices import (
+    BatchIndexer,
+    item_repeated,
+    lightning_logs_now,
+)
+from lightning_iocatch.lightning.sae.counting import count_fired, estimate_scale, update_threshold
 from lightning_iocatch.lightning.sae.evaluation import (
-    MODEL,
+    LanguageModelHooks,
     checked_layer,
     layer_rows,
     log_density,
-    splice_effects,
 )
 from lightning_iocatch.lightning.sae.schedule import Schedule, lr_factor, sparsity_factor
 from lightning_iocatch.lightning.sae.statistics import (
@@ -49,7 +53,7 @@ from lightning_iocatch.sae.model import Architecture, SparseAutoencoder
 __all__ = ["SAEModule"]
 
 
-class SAEModule(pl.LightningModule):
+class SAEModule(LanguageModelHooks):
     """Trains a :class:`~lightning_iocatch.sae.SparseAutoencoder` on batches of rows.
 
     A batch is a ``(rows, d_in)`` tensor, a dict holding one under ``key`` (what
@@ -70,13 +74,17 @@ class SAEModule(pl.LightningModule):
         sae: start from this SAE (e.g. :func:`~lightning_iocatch.sae.load_saelens`'s)
             instead of a new one; ``d_in``, ``d_sae``, ``architecture`` and ``k`` are
             then taken from it.
-        lr, betas: Adam's (SAELens: 3e-4, (0.9, 0.999)).
-        lr_warmup_steps, lr_decay_steps, lr_end, lr_schedule, total_steps: the schedule
-            (see :mod:`~lightning_iocatch.lightning.sae.schedule`; ``total_steps`` by
-            default the Trainer's ``max_steps``; ``lr_end`` by default ``lr / 10``).
+        lr: Adam's learning rate (SAELens: 3e-4).
+        betas: Adam's betas (SAELens: (0.9, 0.999)).
+        lr_warmup_steps: steps of linear warmup (see
+            :mod:`~lightning_iocatch.lightning.sae.schedule`).
+        lr_decay_steps: last steps of linear decay to 0.
+        lr_end: the cosine's end and the decay's start (default ``lr / 10``).
+        lr_schedule: ``"constant"`` or ``"cosine"`` between warmup and decay.
+        total_steps: the schedule's length (default: the Trainer's ``max_steps``).
         clip_grad_norm: the gradients' norm is clipped to this (``None``: not clipped).
-        sparsity_coefficient, sparsity_warmup_steps: the L1 (``relu``) or L0
-            (``jumprelu``) coefficient, rising from 0 over its warmup.
+        sparsity_coefficient: the L1 (``relu``) or L0 (``jumprelu``) coefficient.
+        sparsity_warmup_steps: steps over which it rises from 0.
         aux_k_coefficient: the auxiliary-k loss's coefficient (``topk``, ``batchtopk``).
         dead_after_tokens: a latent that fired on none of this many rows (of the whole
             stream, every process's) is dead (SAELens: 1000 steps of 4096 tokens).
@@ -84,16 +92,18 @@ class SAEModule(pl.LightningModule):
             mean row norm) from this many first batches, which train nothing (as
             SAELens); 0: no normalisation. It is folded into the weights on export.
         topk_threshold_lr: the weight of each batch in BatchTopK's running threshold.
-        decoder_init_norm, jumprelu_init_threshold, bandwidth, scale_by_decoder_norm:
-            the SAE's (see :class:`~lightning_iocatch.sae.SparseAutoencoder`).
+        decoder_init_norm: the SAE's (:class:`~lightning_iocatch.sae.SparseAutoencoder`).
+        jumprelu_init_threshold: the SAE's.
+        bandwidth: the SAE's.
+        scale_by_decoder_norm: the SAE's.
         seed: the seed of the initial weights.
-        language_model, layer: the model the activations came from and the module whose
-            output they are (e.g. ``"model.layers.6"``): validation batches are then its
-            text (a tokenizer's dict), the rows its real tokens' outputs there, and an
-            :class:`~lightning_iocatch.InterventionEffects` logs the SAE spliced in
-            against zero ablation (``sae/sae/loss_recovered``, ``sae/sae/kl``...). The
-            model is frozen (it runs only in validation, in eval mode as the rest) and
-            left out of checkpoints.
+        language_model: the model the activations came from: validation batches are then
+            its text (a tokenizer's dict), the rows its real tokens' outputs at ``layer``,
+            and an :class:`~lightning_iocatch.InterventionEffects` logs the SAE spliced in
+            against zero ablation (``sae/sae/loss_recovered``, ``sae/sae/kl``...). It is
+            frozen, runs only in validation, and is left out of checkpoints.
+        layer: the module of ``language_model`` whose output the rows are
+            (``"model.layers.6"``).
 
     Validation also logs ``val/dead_fraction`` and ``val/density_median`` of the latents
     over the validation set, their density histogram to loggers that take histograms,
@@ -105,6 +115,7 @@ class SAEModule(pl.LightningModule):
     norm_sum: Tensor
     norm_rows: Tensor
     norm_batches: Tensor
+    steps: Tensor
 
     def __init__(
         self,
@@ -156,6 +167,16 @@ class SAEModule(pl.LightningModule):
             )
         elif not isinstance(sae, SparseAutoencoder):
             raise TypeError(f"`sae` must be a SparseAutoencoder, got {type(sae).__name__}")
+        else:  # the SAE's own shape, so that load_from_checkpoint builds one like it
+            self.hparams.update(d_in=sae.d_in, d_sae=sae.d_sae, architecture=sae.architecture,
+                                k=sae.k, scale_by_decoder_norm=sae.scale_by_decoder_norm,
+                                bandwidth=sae.bandwidth)  # fmt: skip
+            if normalize_batches and float(sae.input_scale) != 1.0:
+                raise ValueError(
+                    f"SAEModule: this SAE already scales its inputs by {float(sae.input_scale):.6g}"
+                    " (an imported one, folded into its weights): a new estimate would change "
+                    "what it computes; give normalize_batches=0"
+                )
         for name, value in (("normalize_batches", normalize_batches), ("lr_warmup_steps",
                             lr_warmup_steps), ("lr_decay_steps", lr_decay_steps),
                             ("sparsity_warmup_steps", sparsity_warmup_steps),
@@ -181,6 +202,13 @@ class SAEModule(pl.LightningModule):
         self.register_buffer("norm_sum", torch.zeros((), dtype=torch.float64))
         self.register_buffer("norm_rows", torch.zeros((), dtype=torch.int64))
         self.register_buffer("norm_batches", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))  # optimizer steps
+        self._steps = 0  # the same, read without a device sync
+        self._norm_batches = 0  # norm_batches, the same way
+        # in an SAEGroup: who logs, under which prefix, and this SAE's optimizer and schedule
+        self._owner: pl.LightningModule | None = None
+        self._prefix = ""
+        self._assigned: tuple[Any, Any] | None = None
         self._val_sums: Tensor | None = None
         self._val_indexer = BatchIndexer("validate")
         self.latent_density = UnitActivations(k=0, name="latents")
@@ -201,35 +229,26 @@ class SAEModule(pl.LightningModule):
         # Lightning leaves modules in the mode they are in: an SAE put in eval mode before
         # fit would train as in inference (a BatchTopK as a JumpReLU)
         self.objective.train()
+        self._steps = int(self.steps)  # a resumed run's counts
+        self._norm_batches = int(self.norm_batches)
+        total = self._total_steps()
+        planned = self.trainer.estimated_stepping_batches
+        if total is not None and self.lr_decay_steps and planned > total + self.normalize_batches:
+            rank_zero_warn(
+                f"SAEModule: the learning rate decays to 0 at step {total} (`total_steps`), "
+                f"and this fit runs about {planned} steps: the steps after it learn nothing"
+            )
 
     @override
-    def on_fit_start(self) -> None:
-        if self.layer is not None:  # the model's modes, given back after fit
-            self._model_modes = {m: m.training for m in self.language_model.modules()}
-            self.language_model.train()  # unused in training; validation sets eval mode
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self._clip(optimizer)
 
-    @override
-    def teardown(self, stage: str) -> None:
-        for module, training in getattr(self, "_model_modes", {}).items():
-            module.train(training)
-        self._model_modes = {}
-
-    @override
-    def configure_callbacks(self) -> list[pl.Callback]:
-        return [] if self.layer is None else [splice_effects(self.layer, self._reconstruct)]
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        prefix = f"{MODEL}."
-        state = checkpoint["state_dict"]
-        for name in [name for name in state if name.startswith(prefix)]:
-            del state[name]
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.layer is not None:  # the frozen model is not saved: it is the one given
-            for name, value in self.language_model.state_dict().items():
-                checkpoint["state_dict"][f"{MODEL}.{name}"] = value
+    def _clip(self, optimizer: Any) -> None:
+        """Gradients clipped to ``clip_grad_norm`` (called after AMP unscales them)."""
+        if self.clip_grad_norm is not None:
+            owner = self if self._owner is None else self._owner
+            owner.clip_gradients(optimizer, gradient_clip_val=self.clip_grad_norm,
+                                 gradient_clip_algorithm="norm")  # fmt: skip
 
     @override
     def configure_model(self) -> None:
@@ -242,9 +261,7 @@ class SAEModule(pl.LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.Adam(self.objective.parameters(), lr=self.lr, betas=self.betas)
-        total = self.total_steps
-        if total is None and self._trainer is not None and self.trainer.max_steps > 0:
-            total = self.trainer.max_steps
+        total = self._total_steps()
         end = self.lr / 10 if self.lr_end is None else self.lr_end
         ratio = 1.0 if self.lr_schedule == "constant" else end / self.lr  # SAELens' choice
         factor = lr_factor(warmup=self.lr_warmup_steps, decay=self.lr_decay_steps, total=total,
@@ -252,12 +269,18 @@ class SAEModule(pl.LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def _total_steps(self) -> int | None:
+        if self.total_steps is None and self._trainer is not None and self.trainer.max_steps > 0:
+            return self.trainer.max_steps
+        return self.total_steps
+
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
         x = self._rows(batch)
-        rows = self._whole(torch.tensor(x.shape[0], device=x.device))
-        if int(self.norm_batches) < self.normalize_batches:
-            self._estimate_scale(x)
+        world = self.trainer.world_size
+        rows = x.shape[0] if world == 1 else int(self._whole(x.new_tensor(x.shape[0]).long()))
+        if self._norm_batches < self.normalize_batches:
+            estimate_scale(self, x)
             return None
         sae = self.sae
         if sae.architecture == "jumprelu":
@@ -268,23 +291,22 @@ class SAEModule(pl.LightningModule):
             x,
             dead=dead,
             sparsity=self.sparsity_coefficient
-            * sparsity_factor(self.global_step, warmup=self.sparsity_warmup_steps),
+            * sparsity_factor(self._steps, warmup=self.sparsity_warmup_steps),
             aux_k_coefficient=self.aux_k_coefficient,
-            across=self._across(int(rows)),
+            across=self._across(rows),
         )
         with torch.no_grad():
-            self._count_fired(step.latents, rows)
+            count_fired(self, step.latents, rows)
             if sae.architecture == "batchtopk":
-                self._update_threshold(step.latents)
+                update_threshold(self, step.latents)
         optimizer = self._optimizer()
         self.manual_backward(step.loss)
-        if self.clip_grad_norm is not None:
-            self.clip_gradients(optimizer, gradient_clip_val=self.clip_grad_norm,
-                                gradient_clip_algorithm="norm")  # fmt: skip
-        optimizer.step()
+        optimizer.step()  # clips first (on_before_optimizer_step: after AMP's unscale)
         optimizer.zero_grad()
-        self.lr_schedulers().step()  # type: ignore[union-attr]
-        if self.global_step % getattr(self.trainer, "log_every_n_steps", 50) == 0:
+        self._schedule().step()
+        self._steps += 1
+        self.steps.fill_(self._steps)
+        if lightning_logs_now(self.trainer):
             self._log_step(x, step, dead)
         return step.loss.detach()
 
@@ -297,12 +319,13 @@ class SAEModule(pl.LightningModule):
     @override
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         # the samples a DistributedSampler repeats to even out the processes count once
+        if item_repeated(self.trainer, "validate", batch_idx, dataloader_idx):
+            return  # a loader of whole batches: this one is another process's
         self._val_indexer(self.trainer, batch_idx, dataloader_idx)
         repeated = self._val_indexer.repeated(batch_idx, dataloader_idx)
         kept = None if repeated is None or not any(repeated) else [not r for r in repeated]
         if self.layer is None:
-            x = self._rows(batch)
-            x = x if kept is None else x[torch.tensor(kept, device=x.device)]
+            x = batch_rows(batch, self.key, self.sae.d_in, kept)
         else:
             x = layer_rows(self, self.layer, batch, kept)
         step = self.objective(x)
@@ -323,25 +346,25 @@ class SAEModule(pl.LightningModule):
             "dead_fraction": scalars["dead_frac"],
             "density_median": scalars["density_median"],
         }
-        self.log_dict({f"val/{name}": value for name, value in figures.items()})
-        log_density(self.trainer, "val/latent_density", summary, self.global_step)
+        self._log({f"val/{name}": value for name, value in figures.items()})
+        log_density(self.trainer, f"{self._prefix}val/latent_density", summary, self._steps)
 
     # -- the step's parts --------------------------------------------------------------
-
-    def _reconstruct(self, hidden: Tensor) -> Tensor:
-        """The SAE's reconstruction of a layer's output, at its scale (through the
-        objective's forward, where a strategy gathers the parameters)."""
-        step = self.objective(hidden.reshape(-1, hidden.shape[-1]))
-        raw = step.reconstruction / self.sae.input_scale.to(step.reconstruction.dtype)
-        return raw.reshape(hidden.shape)
 
     def _rows(self, batch: Any) -> Tensor:
         """The batch's rows, ``(rows, d_in)``."""
         return batch_rows(batch, self.key, self.sae.d_in)
 
     def _optimizer(self) -> Any:
-        """The one optimizer (Lightning's wrapper of the Adam of ``configure_optimizers``)."""
-        return self.optimizers()
+        """This SAE's optimizer (Lightning's wrapper of the Adam of ``configure_optimizers``)."""
+        return self.optimizers() if self._assigned is None else self._assigned[0]
+
+    def _schedule(self) -> Any:
+        return self.lr_schedulers() if self._assigned is None else self._assigned[1]
+
+    def _log(self, values: dict[str, float]) -> None:
+        owner = self if self._owner is None else self._owner
+        owner.log_dict({f"{self._prefix}{name}": value for name, value in values.items()})
 
     def _whole(self, local: Tensor) -> Tensor:
         """``local`` summed over the processes (the strategy's own reduce)."""
@@ -357,41 +380,6 @@ class SAEModule(pl.LightningModule):
     def _gather(self, values: Tensor) -> Tensor:
         return self.trainer.strategy.all_gather(values)
 
-    def _estimate_scale(self, x: Tensor) -> None:
-        """Counts a batch's row norms; after the last batch of the estimate, sets the SAE's
-        ``input_scale`` to ``sqrt(d_in)`` over their mean (SAELens' factor; the norms in
-        float64, where SAELens takes them in float32: a relative 1e-8 apart)."""
-        norms = x.double().norm(dim=-1)  # float64 from the first operation
-        local = torch.stack([norms.sum(), norms.new_tensor(x.shape[0])])
-        whole = self._whole(local)
-        self.norm_sum += whole[0]
-        self.norm_rows += whole[1].long()
-        self.norm_batches += 1
-        if int(self.norm_batches) == self.normalize_batches:
-            mean = self.norm_sum / self.norm_rows
-            self.sae.input_scale.copy_(self.sae.d_in**0.5 / mean)
-
-    def _count_fired(self, latents: Tensor, rows: Tensor) -> None:
-        # latents are never negative: the largest of each is above 0 where it fired (13
-        # times quicker than (latents != 0).any(0) on a CPU)
-        largest = latents.amax(0) if latents.shape[0] else latents.new_zeros(latents.shape[1])
-        fired = self._whole((largest > 0).to(torch.int32)) > 0
-        self.tokens_since_fired += rows.to(self.tokens_since_fired.device)
-        self.tokens_since_fired[fired] = 0
-
-    def _update_threshold(self, latents: Tensor) -> None:
-        """BatchTopK's running threshold: ``(1 - lr) * old + lr * smallest kept value``
-        of the whole batch, in float64 (a batch with no positive value leaves it)."""
-        positive = latents[latents > 0]
-        smallest = positive.min() if positive.numel() else latents.new_tensor(float("inf"))
-        smallest = smallest.to(torch.float64)
-        if self.trainer.world_size > 1:
-            smallest = self.trainer.strategy.reduce(smallest, reduce_op=dist.ReduceOp.MIN)  # type: ignore[arg-type]
-        if torch.isfinite(smallest):
-            lr = self.topk_threshold_lr
-            sae = self.sae
-            sae.topk_threshold.copy_((1 - lr) * sae.topk_threshold + lr * smallest)
-
     def _log_step(self, x: Tensor, step: TrainingStep, dead: Tensor) -> None:
         with torch.no_grad():
             sums = reconstruction_sums(self.sae.scaled(x), step.reconstruction, step.latents)
@@ -401,4 +389,4 @@ class SAEModule(pl.LightningModule):
                   for name, value in step.losses.items()}  # fmt: skip
         lr = self._optimizer().param_groups[0]["lr"]
         logged = {f"train/{name}": value for name, value in {**figures, **losses}.items()}
-        self.log_dict({**logged, "train/lr": lr})
+        self._log({**logged, "train/lr": lr})

@@ -1,4 +1,5 @@
-"""The learning rate and sparsity coefficient over steps, as SAELens 6 schedules them:
+"""The learning rate and sparsity coefficient over steps, as SAELens 6 schedules them (the
+same factors; SAELens computes the cosine recursively, 1e-15 apart at most):
 a linear warmup from ``lr / warmup`` to ``lr`` over ``warmup`` steps, then constant or a
 cosine to ``lr_end``, then a linear decay from ``lr_end`` to 0 over the last ``decay``
 steps; the sparsity coefficient rising linearly from 0 over its own warmup.
@@ -41,11 +42,11 @@ def lr_factor(
     def factor(step: int) -> float:
         if step < warmup:  # SAELens: LinearLR(1 / warmup -> 1 over warmup - 1 steps)
             return 1 / warmup + (1 - 1 / warmup) * step / max(warmup - 1, 1)
-        if decay and step >= last - decay:
-            return end_ratio * (1 - (step - (last - decay)) / decay)
+        if decay and step >= last - decay:  # 0 from the last step on, as LinearLR stays
+            return end_ratio * max(0.0, 1 - (step - (last - decay)) / decay)
         if schedule == "cosine":
-            into = step - warmup
-            return end_ratio + (1 - end_ratio) * (1 + math.cos(math.pi * into / main)) / 2
+            into = min(step - warmup, main)  # held at lr_end after the cosine's end
+            return end_ratio + (1 - end_ratio) * (1 + math.cos(math.pi * into / max(main, 1))) / 2
         return 1.0
 
     return factor

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_iocatch.token_mask import real_tokens
+
 __all__ = ["batch_rows", "reconstruction_figures", "reconstruction_sums"]
 
 
@@ -54,9 +56,11 @@ def reconstruction_figures(sums: Tensor) -> dict[str, float]:
     }
 
 
-def batch_rows(batch: Any, key: str | None, d_in: int) -> Tensor:
-    """The rows of a batch: a tensor, the one under ``key`` of a dict (or its one
-    floating tensor), or a tuple's first item; ``(rows, d_in)``."""
+def batch_rows(batch: Any, key: str | None, d_in: int, kept: list[bool] | None = None) -> Tensor:
+    """The rows of a batch: a tensor, the one under ``key`` of a dict (or its one floating
+    tensor), or a tuple's first item; ``(rows, d_in)``. A ``(batch, seq, d_in)`` tensor of a
+    dict with an ``attention_mask`` gives its real tokens only; ``kept``: only these
+    samples (the first dimension)."""
     found = batch
     if isinstance(batch, Mapping):
         if key is not None:
@@ -75,4 +79,13 @@ def batch_rows(batch: Any, key: str | None, d_in: int) -> Tensor:
     if not isinstance(found, Tensor) or found.shape[-1] != d_in:
         shown = tuple(found.shape) if isinstance(found, Tensor) else type(found).__name__
         raise ValueError(f"SAEModule: rows of width d_in={d_in} expected, got {shown}")
-    return found.reshape(-1, d_in)
+    mask = real_tokens(batch, "SAEModule") if found.dim() == 3 else None
+    if mask is not None and tuple(mask.shape) == tuple(found.shape[:2]):
+        mask = mask.to(found.device)
+    else:
+        mask = None
+    if kept is not None:
+        chosen = torch.tensor(kept, device=found.device)
+        found = found[chosen]
+        mask = None if mask is None else mask[chosen]
+    return found[mask] if mask is not None else found.reshape(-1, d_in)

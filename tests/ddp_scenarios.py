@@ -40,6 +40,7 @@ SCENARIOS = {
     "health_training": "tests.lightning.test_health_training",
     "health_layout": "tests.lightning.test_health_layout",
     "sae_distributed": "tests.scripts.sae_distributed",
+    "live_distributed": "tests.scripts.live_distributed",
 }
 TIMEOUT = 900
 DONE, FAILED = "done", "failed.txt"

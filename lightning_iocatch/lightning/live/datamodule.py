@@ -20,13 +20,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import Tensor, nn
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
 from lightning_iocatch.capture.spec import parse_io_spec
 from lightning_iocatch.lightning.epoch_loader import _Deferred
-from lightning_iocatch.lightning.live.stream import epoch_batches
+from lightning_iocatch.lightning.live.stream import captured_rows, epoch_batches
 from lightning_iocatch.store.tokens import TokenRows
 
 __all__ = ["LiveActivations"]
@@ -83,16 +84,33 @@ class LiveActivations(pl.LightningDataModule):
             raise TypeError(
                 f"`inputs` must be a DataLoader of the model's inputs, got {type(inputs).__name__}"
             )
+        if isinstance(inputs.dataset, IterableDataset):
+            raise TypeError(
+                "`inputs` must be a DataLoader over a map-style dataset (each row's dataset "
+                "index, each process's share), got one over an IterableDataset"
+            )
+        if inputs.batch_size is None:
+            raise ValueError(
+                "`inputs` must batch samples (a DataLoader with a batch_size), got "
+                "batch_size=None: its dataset's items would be taken for samples"
+            )
         for name, value in (("batch_size", batch_size), ("buffer_rows", buffer_rows)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
         if tokens is not None and not isinstance(tokens, TokenRows):
             raise TypeError(f"`tokens` must be a TokenRows, got {type(tokens).__name__}")
+        if tokens is not None and tokens.reduce is not None:
+            raise ValueError(
+                f"`tokens` must give one row per token (reduce=None), got reduce="
+                f"{tokens.reduce!r}: LiveActivations draws token rows; for one row per "
+                "sample capture with reduce= in the spec, without tokens"
+            )
         parse_io_spec(spec)  # a bad spec fails here, not in the first forward
         self.model = model.requires_grad_(False).eval()
         self.spec, self.inputs, self.tokens = spec, inputs, tokens
         self.batch_size, self.buffer_rows, self.seed = batch_size, buffer_rows, seed
         self._saved: dict[str, Any] = {}
+        self._empty: dict[str, Tensor] | None = None
 
     # -- Lightning hooks ---------------------------------------------------------------
 
@@ -167,8 +185,14 @@ class LiveActivations(pl.LightningDataModule):
         return int(gathered[:, 0].max()), bool(gathered[:, 1].max())
 
     def empty_batch(self) -> dict[str, Tensor]:
-        """A batch of no rows (a process whose inputs have run out while others' have not)."""
-        return {"index": torch.zeros(0, dtype=torch.int64, device=self.device)}
+        """A batch of no rows with every key of the others (a process whose inputs have run
+        out while others' have not): the rows of a forward of the dataset's first sample,
+        none of them kept."""
+        if self._empty is None:
+            first = self.inputs.collate_fn([self.inputs.dataset[0]])
+            rows = captured_rows(self, move_data_to_device(first, self.device), [0])
+            self._empty = {key: value[:0] for key, value in rows.items()}
+        return dict(self._empty)
 
     def _layout(self) -> dict[str, Any]:
         return {"world": self.world, "batch_size": self.batch_size,
@@ -205,10 +229,15 @@ class _LiveLoader:
         trainer = self.data.trainer
         if trainer is None:
             return epoch_batches(self.data, epoch=0, done=0)
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        epoch, done = trainer.current_epoch, progress.current.ready
+        if done and progress.is_last_batch:
+            # restored from a checkpoint of a finished epoch (at its end, or after its last
+            # batch): Lightning keeps this iterator for the next epoch, which starts whole
+            epoch, done = epoch + 1, 0
         if done:
             self.data.check_resume()
-        return epoch_batches(self.data, epoch=trainer.current_epoch, done=done)
+        return epoch_batches(self.data, epoch=epoch, done=done)
 
     def state_dict(self) -> dict[str, Any]:
         return {}

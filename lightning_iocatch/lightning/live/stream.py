@@ -29,7 +29,7 @@ from lightning_iocatch.lightning.live.mixing import fill_order, split_rows
 if TYPE_CHECKING:
     from lightning_iocatch.lightning.live.datamodule import LiveActivations
 
-__all__ = ["epoch_batches"]
+__all__ = ["captured_rows", "epoch_batches"]
 
 
 def epoch_batches(data: LiveActivations, epoch: int, done: int) -> Iterator[dict[str, Tensor]]:
@@ -80,7 +80,7 @@ def _forwards(
     """The rows of a fill's input batches: each batch's forward with capture, stacked."""
     parts: list[dict[str, Tensor]] = []
     for indices, batch, counted in chunk:
-        found = _captured(data, move_data_to_device(batch, data.device), indices)
+        found = captured_rows(data, move_data_to_device(batch, data.device), indices)
         got = len(found["index"])
         if got != counted:
             raise RuntimeError(
@@ -99,7 +99,7 @@ def _forwards(
     return stacked
 
 
-def _captured(data: LiveActivations, batch: Any, indices: list[int]) -> dict[str, Tensor]:
+def captured_rows(data: LiveActivations, batch: Any, indices: list[int]) -> dict[str, Tensor]:
     """One input batch's rows by key, with each row's dataset ``index`` (and its
     ``position`` for token rows)."""
     selection = None if data.tokens is None else data.tokens.select(batch)

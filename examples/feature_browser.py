@@ -7,7 +7,7 @@
    installed packages; nothing is downloaded).
 2. Dump block 0's outputs over both texts into one store, one row per character
    (``TokenRows``): the prose windows first, then the code.
-3. ``summarize_store`` runs ``UnitActivations(of=sae.codes)`` over the dump: each stored
+3. ``summarize_store`` runs ``UnitActivations(of=sae.encode)`` over the dump: each stored
    batch read once, the SAE's encoder applied to its rows, and per latent its 20 largest
    activations (with 12 characters each side) and how often it is active.
 4. ``write_browser`` writes the feature browser (static HTML, opens from disk), and the
@@ -41,7 +41,7 @@ def run(out: Path, *, quick: bool = False, models: dict[str, Any] | None = None)
     models = models or train(out, quick=quick)
     both = models["train"]["prose"] + models["train"]["code"]
     store = dump(models["lm"], both, out / "both")
-    probe = UnitActivations(k=K, window=WINDOW, above=0.0, of=models["sae"].codes)
+    probe = UnitActivations(k=K, window=WINDOW, above=0.0, of=models["sae"].encode)
     summary = summarize_store(store, KEY, probe)
     summary.save(out / "latents.safetensors")
     index = write_browser(summary, out / "browser", tokenizer=characters)

@@ -7,7 +7,8 @@
    dataset descriptions) and Python code (the standard library's ``json`` package).
 2. Dump block 0's outputs (the residual stream after it), one row per character
    (``TokenRows``), with ``IOCaptureCallback`` and ``FeatureWriter`` in a predict loop.
-3. Train a sparse autoencoder on the dump through ``StoreDataModule``.
+3. Train a sparse autoencoder on the dump through ``StoreDataModule``: ``SAEModule``,
+   TopK with SAELens' recipe.
 4. Evaluate it with ``trainer.validate`` and ``InterventionEffects``: the held-out text's
    next-character cross-entropy clean, with the SAE's reconstruction spliced in place of
    block 0's output, and with that output zero-ablated; the CE loss recovered and the KL
@@ -31,7 +32,6 @@ from typing import Any
 import lightning.pytorch as pl
 import sklearn
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -40,6 +40,7 @@ from lightning_iocatch import (
     FeatureWriter,
     InterventionEffects,
     IOCaptureCallback,
+    SAEModule,
     StoreDataModule,
     TokenRows,
 )
@@ -49,6 +50,7 @@ LAYER = "model.transformer.h.0"
 KEY = f"{LAYER}/outputs"
 CONTEXT, WIDTH = 64, 64
 STRENGTHS = (-4.0, -2.0, 2.0, 4.0)
+LATENTS, K = 4 * WIDTH, 16  # the SAE's latents, and how many fire on each row (TopK)
 
 
 def texts() -> dict[str, bytes]:
@@ -102,31 +104,6 @@ class CharLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
-class SparseAutoencoder(pl.LightningModule):
-    """``decoder(relu(encoder(x - b_dec)))``; squared error plus ``l1`` times the codes'
-    L1 norm weighted by the decoder's column norms."""
-
-    def __init__(self, codes: int, l1: float = 3e-3) -> None:
-        super().__init__()
-        self.encoder, self.decoder = nn.Linear(WIDTH, codes), nn.Linear(codes, WIDTH)
-        self.l1 = l1
-
-    def codes(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.encoder(x - self.decoder.bias))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.codes(x))
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x = batch[KEY]
-        codes = self.codes(x)
-        error = (self.decoder(codes) - x).pow(2).sum(-1).mean()
-        return error + self.l1 * (codes * self.decoder.weight.norm(dim=0)).sum(-1).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=3e-3)
-
-
 def trainer(**options: Any) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, **options)  # fmt: skip
@@ -160,11 +137,13 @@ def train(out: Path, *, quick: bool = False) -> dict[str, Any]:
     lm.eval()
 
     stores = {name: dump(lm, train_data[name], out / name) for name in train_data}
-    sae = SparseAutoencoder(codes=4 * WIDTH, l1=0.3)
+    # SAELens' TopK recipe; the input normalisation estimated from the first 8 batches
+    module = SAEModule(WIDTH, LATENTS, "topk", k=K, key=KEY, lr=3e-3, normalize_batches=8,
+                       dead_after_tokens=50_000)  # fmt: skip
     for name in stores:  # one store per kind of text: the SAE reads both
         data = StoreDataModule(out / name, KEY, batch_size=256, seed=0)
-        trainer(max_epochs=1 if quick else 4).fit(sae, datamodule=data)
-    sae.eval()
+        trainer(max_epochs=1 if quick else 4).fit(module, datamodule=data)
+    sae = module.sae.eval()  # a SparseAutoencoder: encode, decode, forward
     return {"lm": lm, "sae": sae, "train": train_data, "held_out": held_out, "stores": stores}
 
 
@@ -181,7 +160,7 @@ def run(out: Path, *, quick: bool = False, models: dict[str, Any] | None = None)
 
     x = torch.cat([stores[name].rows(KEY)[1][:20_000] for name in stores])
     with torch.no_grad():
-        active = float((sae.codes(x) > 0).float().sum(-1).mean())
+        active = float((sae.encode(x) > 0).float().sum(-1).mean())
 
     # steering: block 0's mean output on code minus on prose, added with a strength alpha;
     # the measure: the probability the model gives to the next character being one of the
@@ -226,7 +205,7 @@ def main() -> None:
     print(f"  clean {s['effects/clean/loss']:.3f}   SAE spliced {s['effects/splice/loss']:.3f}"
           f"   zero-ablated {s['effects/zero/loss']:.3f}")  # fmt: skip
     print(f"  CE loss recovered by the SAE: {s['effects/splice/loss_recovered']:.3f}"
-          f" ({result['active']:.1f} of {4 * WIDTH} codes active per character)")  # fmt: skip
+          f" ({result['active']:.1f} of {LATENTS} latents active per character)")  # fmt: skip
     print(f"  KL from clean: SAE {s['effects/splice/kl']:.3f}, zero {s['effects/zero/kl']:.3f}")
     print(f"steering block 0 by alpha x (mean on code - mean on prose): the probability of a "
           f"code character ({result['code_chars']!r}) next, mean over positions")  # fmt: skip

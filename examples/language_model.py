@@ -105,47 +105,31 @@ trainer.validate(lm, loader, verbose=False)
 for name, value in trainer.callback_metrics.items():
     print(f"{name:48} {float(value):8.4f}")
 
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_iocatch import StoreDataModule
+from lightning_iocatch import SAEModule, StoreDataModule
 
 
-class SparseAutoencoder(LightningModule):
-    """`decoder(relu(encoder(x - b)))`: squared error, an L1 penalty on the codes."""
+class Rows(Callback):
+    """Counts the rows the training steps read."""
 
-    def __init__(self, width: int = 32, latents: int = 128, l1: float = 1e-3) -> None:
-        super().__init__()
-        self.encoder = nn.Linear(width, latents)
-        self.decoder = nn.Linear(latents, width)
-        self.l1, self.rows = l1, 0
+    rows = 0
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.encoder(x - self.decoder.bias))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.encode(x))
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int):
-        x = batch[KEY]  # [16, 32]: 16 token rows of block 1
-        self.rows += len(x)
-        codes = self.encode(x)
-        error = (self.decoder(codes) - x).pow(2).sum(-1).mean()
-        return error + self.l1 * codes.abs().sum(-1).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
+    def on_train_batch_start(self, trainer, module, batch, batch_idx: int) -> None:
+        self.rows += len(batch[KEY])  # [16, 32]: 16 token rows of block 1
 
 
 rows = StoreDataModule("features/", KEY, batch_size=16, seed=0)
 every_3 = ModelCheckpoint("checkpoints/", "{step}", every_n_train_steps=3)
-killed = SparseAutoencoder()  # killed after step 3: here max_steps=3 stops it there
-Trainer(max_steps=3, callbacks=[every_3], **quiet).fit(killed, datamodule=rows)
-sae = SparseAutoencoder()  # a new process: weights and position from the checkpoint
-again = Trainer(max_epochs=1, callbacks=[every_3], **quiet)
-again.fit(sae, datamodule=rows, ckpt_path="checkpoints/step=3.ckpt")
-print(f"rows before the kill: {killed.rows}, after the resume: {sae.rows}")
-print(f"in all: {killed.rows + sae.rows} of {len(store[KEY])} rows, one epoch")
+before, after = Rows(), Rows()
+killed = SAEModule(32, 128, "topk", k=4, key=KEY, lr=1e-3)  # TopK, 4 of 128 latents
+Trainer(max_steps=3, callbacks=[every_3, before], **quiet).fit(killed, datamodule=rows)
+resumed = SAEModule(32, 128, "topk", k=4, key=KEY, lr=1e-3)  # a new process
+again = Trainer(max_epochs=1, callbacks=[every_3, after], **quiet)
+again.fit(resumed, datamodule=rows, ckpt_path="checkpoints/step=3.ckpt")
+sae = resumed.sae  # the SparseAutoencoder: encode, decode, save_saelens
+print(f"rows before the kill: {before.rows}, after the resume: {after.rows}")
+print(f"in all: {before.rows + after.rows} of {len(store[KEY])} rows, one epoch")
 
 from lightning_iocatch.probes import UnitActivations
 from lightning_iocatch.reports import summarize_store, write_browser
@@ -158,7 +142,7 @@ print(f"latent {unit}: active on {int(summary.active[unit])} of {summary.rows} t
 for value, ids in zip(summary.top_values[unit], summary.context_ids[unit], strict=True):
     shown = [tokenizer.convert_ids_to_tokens(i) if i >= 0 else "" for i in ids.tolist()]
     shown[2] = f"[{shown[2]}]"  # the example's own token, between its neighbours
-    print(f"{float(value):6.3f}  {' '.join(shown).strip()}")
+    print(f"{float(value):7.4f}  {' '.join(shown).strip()}")
 
 from lightning_iocatch import InterventionEffects
 from lightning_iocatch.capture import Zero

@@ -1,15 +1,17 @@
 """Train a sparse autoencoder on a layer's activations, dumped to a feature store.
 
     .venv/bin/python examples/train_sae.py [--out runs/sae] [--sae-epochs 30]
+        [--architecture topk] [--k 16]
 
 1. Train a small MLP on scikit-learn's bundled digits (nothing is downloaded).
 2. Dump the outputs of its hidden layer ``net.1`` (64 features per image) with
    IOCaptureCallback and FeatureWriter, in a predict loop that stops right after it.
 3. Train a sparse autoencoder on the dump with ``Trainer.fit`` through StoreDataModule:
-   a linear encoder, ReLU, a linear decoder, and an L1 penalty on the codes. The data
-   module shuffles the rows anew every epoch and reads each row once per epoch.
+   ``SAEModule``, SAELens' recipe (TopK by default; BatchTopK, JumpReLU or ReLU with L1
+   by ``--architecture``). The data module shuffles the rows anew every epoch and reads
+   each row once per epoch.
 4. Print the reconstruction error (the fraction of variance unexplained) and the mean
-   number of active codes per row, before and after training.
+   number of active latents per row, before and after training.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_iocatch import FeatureStore, FeatureWriter, IOCaptureCallback, StoreDataModule
+from lightning_iocatch import (
+    FeatureStore,
+    FeatureWriter,
+    IOCaptureCallback,
+    SAEModule,
+    StoreDataModule,
+)
+from lightning_iocatch.sae import ARCHITECTURES, SparseAutoencoder
 
 LAYER = "net.1"
 KEY = f"{LAYER}/outputs"
@@ -52,32 +61,6 @@ class DigitsMLP(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=3e-3)
 
 
-class SparseAutoencoder(pl.LightningModule):
-    """``codes = relu(encoder(x - bias))``, ``x_hat = decoder(codes)``; loss: squared error
-    plus ``l1`` times the codes' L1 norm (weighted by the decoder's column norms)."""
-
-    def __init__(self, width: int, codes: int, l1: float, lr: float) -> None:
-        super().__init__()
-        self.encoder = nn.Linear(width, codes)
-        self.decoder = nn.Linear(codes, width)
-        self.l1, self.lr = l1, lr
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        codes = torch.relu(self.encoder(x - self.decoder.bias))
-        return self.decoder(codes), codes
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x = batch[KEY]
-        x_hat, codes = self(x)
-        error = (x_hat - x).pow(2).sum(-1).mean()
-        sparsity = (codes * self.decoder.weight.norm(dim=0)).sum(-1).mean()
-        self.log_dict({"error": error, "sparsity": sparsity})
-        return error + self.l1 * sparsity
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
-
-
 @dataclass(frozen=True)
 class Result:
     rows: int
@@ -86,6 +69,7 @@ class Result:
     active_after: float
     steps: int
     seconds: float
+    sae: SparseAutoencoder
 
 
 def quiet_trainer(**options: Any) -> pl.Trainer:
@@ -101,15 +85,24 @@ def quiet_trainer(**options: Any) -> pl.Trainer:
 
 
 def fvu_and_active(sae: SparseAutoencoder, x: torch.Tensor) -> tuple[float, float]:
-    """Fraction of variance unexplained, and mean number of active codes per row."""
+    """Fraction of variance unexplained, and mean number of active latents per row."""
+    training, _ = sae.training, sae.eval()  # BatchTopK encodes at its threshold in eval
     with torch.no_grad():
-        x_hat, codes = sae(x)
+        latents = sae.encode(x)
+        x_hat = sae.decode(latents)
+    sae.train(training)
     unexplained = (x_hat - x).pow(2).sum() / (x - x.mean(0)).pow(2).sum()
-    return float(unexplained), float((codes > 0).float().sum(-1).mean())
+    return float(unexplained), float((latents > 0).float().sum(-1).mean())
 
 
 def run(
-    out: Path, *, mlp_epochs: int = 3, sae_epochs: int = 30, codes: int = 256, l1: float = 1.0
+    out: Path,
+    *,
+    mlp_epochs: int = 3,
+    sae_epochs: int = 30,
+    codes: int = 256,
+    architecture: str = "topk",
+    k: float = 16,
 ) -> Result:
     start = time.perf_counter()
     pl.seed_everything(0, verbose=False)
@@ -128,12 +121,22 @@ def run(
     )
 
     activations = StoreDataModule(features, KEY, batch_size=64, shuffle_rows=1024, seed=0)
-    sae = SparseAutoencoder(width=64, codes=codes, l1=l1, lr=3e-3)
+    sparse = architecture in ("topk", "batchtopk")
+    module = SAEModule(
+        64,
+        codes,
+        architecture,  # type: ignore[arg-type]
+        k=k if sparse else None,
+        key=KEY,
+        lr=3e-3,
+        sparsity_coefficient=1e-2 if architecture == "relu" else 1e-3,
+        dead_after_tokens=10 * len(x),  # dead: silent over 10 epochs of rows
+    )
     every_row = FeatureStore(features)[KEY]
-    fvu_before, _ = fvu_and_active(sae, every_row)
+    fvu_before, _ = fvu_and_active(module.sae, every_row)
     trainer = quiet_trainer(max_epochs=sae_epochs)
-    trainer.fit(sae, datamodule=activations)
-    fvu_after, active = fvu_and_active(sae, every_row)
+    trainer.fit(module, datamodule=activations)
+    fvu_after, active = fvu_and_active(module.sae, every_row)
     return Result(
         rows=len(every_row),
         fvu_before=fvu_before,
@@ -141,6 +144,7 @@ def run(
         active_after=active,
         steps=trainer.global_step,
         seconds=time.perf_counter() - start,
+        sae=module.sae,
     )
 
 
@@ -150,16 +154,20 @@ def main() -> None:
     parser.add_argument("--mlp-epochs", type=int, default=3)
     parser.add_argument("--sae-epochs", type=int, default=30)
     parser.add_argument("--codes", type=int, default=256)
+    parser.add_argument("--architecture", choices=ARCHITECTURES, default="topk")
+    parser.add_argument("--k", type=float, default=16, help="latents per row (TopK)")
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
     warnings.filterwarnings("ignore", ".*IterableDataset.*has `__len__` defined.*")
-    result = run(args.out, mlp_epochs=args.mlp_epochs, sae_epochs=args.sae_epochs, codes=args.codes)
+    result = run(args.out, mlp_epochs=args.mlp_epochs, sae_epochs=args.sae_epochs,
+                 codes=args.codes, architecture=args.architecture, k=args.k)  # fmt: skip
     print(f"dumped {KEY}: {result.rows} rows of 64 features to {args.out / 'features'}")
-    print(f"sparse autoencoder, {args.codes} codes, {result.steps} steps:")
+    print(f"sparse autoencoder ({args.architecture}), {args.codes} latents, "
+          f"{result.steps} steps:")  # fmt: skip
     print(f"  fraction of variance unexplained: {result.fvu_before:.3f} -> {result.fvu_after:.3f}")
-    print(f"  active codes per row: {result.active_after:.1f} of {args.codes}")
+    print(f"  active latents per row: {result.active_after:.1f} of {args.codes}")
     print(f"  {result.seconds:.1f} s in all")
 
 

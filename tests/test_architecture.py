@@ -21,6 +21,7 @@ CORE = [
     "capture",
     "store",
     "probes",
+    "sae",
     "plots",
     "reports",
     "errors",

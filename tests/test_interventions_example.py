@@ -47,7 +47,7 @@ def check_the_browser_example(tmp_path: Path, models: dict[str, Any]) -> None:
     indices, rows = store.rows(KEY)
     positions = store.rows("__position__")[1]
     with torch.no_grad():
-        codes = sae.codes(rows.float())  # every latent on every character, in memory
+        codes = sae.encode(rows.float())  # every latent on every character, in memory
     assert summary.rows == len(rows)
     assert torch.equal(summary.active, (codes > 0).sum(0))
     alive = (summary.active >= feature_browser.K).nonzero().flatten()

@@ -121,7 +121,8 @@ def test_the_probe_the_sae_the_browser_and_the_effects_are_right(run: dict[str, 
     assert float(metrics[f"{prefix}/std"]) == pytest.approx(h1.std(), rel=1e-4)
 
     # the SAE's epoch: every row once over the killed and the resumed run
-    assert run["killed"].rows + run["sae"].rows == len(h1) == 72
+    assert run["before"].rows + run["after"].rows == len(h1) == 72
+    assert run["resumed"].global_step == 5  # 3 steps, then the epoch's last 2
 
     # the browser's best example of the unit shown: its value and its token
     summary, unit, sae = run["summary"], run["unit"], run["sae"]

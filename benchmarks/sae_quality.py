@@ -21,7 +21,9 @@ held-out rows, each SAE as its tool exports it (SAELens' ``save_inference_model`
 ``SAE.load_from_disk``: a BatchTopK becomes a JumpReLU at its learned threshold; ours in
 eval mode, the same): MSE (per row, summed over inputs), explained variance, L0 and the fraction
 of latents that never fire. Printed per architecture: each figure's mean and range over
-the seeds for both tools, and the training throughput (rows per CPU-second of the
+the seeds for both tools, the control (our module on SAELens' own batches and initial
+weights of seed 0: the same figures, which leaves the data order as the tools' only
+difference), and the training throughput (rows per CPU-second of the
 process, rows per second) with its ratio per seed (interleaved: the tools alternate).
 """
 
@@ -40,6 +42,7 @@ import torch
 from compact_common import FULL, QUICK, Setup, block_outputs, dump, eval_ids, quiet, trained_lm
 from compact_common import dump_ids as dumped_ids
 from compact_common import writer as store_writer
+from torch.utils.data import DataLoader
 
 from lightning_iocatch import StoreDataModule
 from lightning_iocatch.lightning.sae import SAEModule
@@ -161,6 +164,35 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
 
+def same_batches(
+    architecture: str, rows: torch.Tensor, evaluation: torch.Tensor, epochs: int
+) -> dict[str, dict[str, float]]:
+    """The control: our module fed SAELens' own batches of seed 0 (its permutation), from
+    SAELens' initial weights' seed: what is left of a gap between the tools is then theirs."""
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(epochs):
+        order = torch.randperm(rows.shape[0], generator=generator)
+        batches += [rows[order[i : i + BATCH]] for i in range(0, rows.shape[0] - BATCH + 1, BATCH)]
+    steps = len(batches)
+    k = K if "topk" in architecture else None
+    module = SAEModule(
+        rows.shape[1], LATENTS, architecture, k, lr=LR, seed=0,  # type: ignore[arg-type]
+        sparsity_coefficient=SPARSITY.get(architecture, 1.0), sparsity_warmup_steps=steps // 10,
+        dead_after_tokens=WINDOW * BATCH,
+    )  # fmt: skip
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, DataLoader(batches, batch_size=None))  # type: ignore[arg-type]
+    ours = module.sae.eval()
+    theirs = train_saelens(architecture, 0, rows, epochs)
+    return {
+        "ours": held_out(ours.encode, ours.decode, evaluation),
+        "saelens": held_out(theirs.encode, theirs.decode, evaluation),
+    }
+
+
 def _shown(figure: dict[str, float]) -> str:
     return f"{figure['mean']:.4g} [{figure['min']:.4g}, {figure['max']:.4g}]"
 
@@ -205,9 +237,11 @@ def main() -> None:
             found["ours"]["rows_per_cpu_s"], found["saelens"]["rows_per_cpu_s"], strict=True
         )
         ratios = [ours / theirs for ours, theirs in pairs]
+        control = same_batches(architecture, rows, evaluation, args.epochs)
         report[architecture] = {tool: {name: spread(values) for name, values in figures.items()}
                                 for tool, figures in found.items()}  # fmt: skip
         report[architecture]["throughput_ratio_cpu"] = spread(ratios)
+        report[architecture]["same_batches_seed_0"] = control
         line = [f"{architecture:9}"]
         for name in ("mse", "explained_variance", "l0", "dead_fraction"):
             ours = report[architecture]["ours"][name]
@@ -216,6 +250,8 @@ def main() -> None:
         line.append(f"rows/CPU-s ours/SAELens {statistics.median(ratios):.2f}x "
                     f"[{min(ratios):.2f}, {max(ratios):.2f}]")  # fmt: skip
         print(" | ".join(line), flush=True)
+        print(f"{architecture:9} | seed 0 on SAELens' own batches: ours {control['ours']}, "
+              f"SAELens {control['saelens']}", flush=True)  # fmt: skip
     print(json.dumps(report, indent=1))
 
 

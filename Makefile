@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test test-slow lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects bench-sae test-peers bench-atp bench-atp-cost test-peers-atp bench-health bench-compact bench-compact-sae bench-compact-study bench-sharded clean
+.PHONY: venv test test-slow lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects bench-sae test-peers bench-atp bench-atp-cost test-peers-atp bench-health bench-compact bench-compact-sae bench-compact-study bench-sharded bench-live clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -169,6 +169,13 @@ bench-compact-sae: venv
 	$(BIN)/python benchmarks/compact_sae.py
 
 bench-compact-study: bench-compact bench-compact-sae
+
+# Training an SAE live (LiveActivations) against from a dump (float32, bfloat16,
+# float8_e4m3fn+zstd) for 1, 4 and 16 passes over the same tokens, on the compact study's
+# GPT-2 (docs/live.md): the table, and the crossover plot in docs/images/live_crossover.png.
+# About 3 minutes on 2 idle cores once the model is cached (`--quick`: a smoke run, 1 min).
+bench-live: venv
+	$(BIN)/python benchmarks/live_crossover.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .mypy_cache .ruff_cache site .site-check build/test-install

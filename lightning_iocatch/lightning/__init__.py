@@ -15,7 +15,8 @@ from lightning_iocatch.lightning.datamodule import StoreDataModule
 from lightning_iocatch.lightning.effects import InterventionEffects
 from lightning_iocatch.lightning.feature_writer import FeatureWriter
 from lightning_iocatch.lightning.health_monitor import ActivationMonitor, NonFiniteError
-from lightning_iocatch.lightning.sae import SAEModule
+from lightning_iocatch.lightning.live import LiveActivations
+from lightning_iocatch.lightning.sae import SAEGroup, SAEModule
 from lightning_iocatch.lightning.sinks import BatchCaptures, CaptureSink, MemorySink
 
 __all__ = [
@@ -27,7 +28,9 @@ __all__ = [
     "IOCaptureCallback",
     "InterventionEffects",
     "MemorySink",
+    "LiveActivations",
     "NonFiniteError",
+    "SAEGroup",
     "SAEModule",
     "StoreDataModule",
 ]

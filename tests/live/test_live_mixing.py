@@ -215,18 +215,22 @@ def test_a_resumed_epoch_draws_the_batches_the_run_had_left(fitted: tuple, crash
         assert batch["index"] == truth["index"] and batch["position"] == truth["position"]
 
 
-@pytest.mark.parametrize("change", [{"batch_size": 16}, {"seed": 1}, {"buffer_rows": 50}])
+@pytest.mark.parametrize(
+    "change",
+    [{"batch_size": 16}, {"seed": 1}, {"buffer_rows": 50}, {"inputs_batch": 3},
+     {"count": COUNT - 1}, {"tokens": TokenRows(drop_first=True)}],
+)  # fmt: skip
 def test_a_mid_epoch_resume_with_other_settings_is_refused(
     crashed: tuple, change: dict[str, int]
 ) -> None:
     folder, _ = crashed
     (name,) = change
+    settings = {"count": COUNT, **change}
+    shown = {"inputs_batch": "inputs_batch_size", "count": "inputs"}.get(name, name)
     with pytest.raises(
-        ValueError, match=rf"the checkpoint was made with .*'{name}'.*must be the same"
+        ValueError, match=rf"the checkpoint was made with .*'{shown}'.*must be the same"
     ):
-        trainer().fit(
-            Recorder(), datamodule=live(COUNT, **change), ckpt_path=folder / "step=6.ckpt"
-        )
+        trainer().fit(Recorder(), datamodule=live(**settings), ckpt_path=folder / "step=6.ckpt")
 
 
 @pytest.mark.parametrize("saved", ["epoch_end", "last_batch"])

@@ -60,9 +60,9 @@ def language_model() -> nn.Module:
     return tiny_llama(num_hidden_layers=3)
 
 
-def live(count: int = COUNT, **options: Any) -> LiveActivations:
+def live(count: int = COUNT, inputs_batch: int = INPUT_BATCH, **options: Any) -> LiveActivations:
     settings = {"batch_size": BATCH, "buffer_rows": BUFFER, "tokens": TokenRows(), **options}
-    inputs = DataLoader(texts(count), batch_size=INPUT_BATCH)  # type: ignore[arg-type]
+    inputs = DataLoader(texts(count), batch_size=inputs_batch)  # type: ignore[arg-type]
     return LiveActivations(language_model(), SPEC, inputs, **settings)
 
 

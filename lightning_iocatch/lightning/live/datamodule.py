@@ -14,7 +14,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,8 +195,13 @@ class LiveActivations(pl.LightningDataModule):
         return dict(self._empty)
 
     def _layout(self) -> dict[str, Any]:
+        """What a fill's rows and order depend on (a fill is whole input batches)."""
+        dataset = self.inputs.dataset
         return {"world": self.world, "batch_size": self.batch_size,
-                "buffer_rows": self.buffer_rows, "seed": self.seed}  # fmt: skip
+                "buffer_rows": self.buffer_rows, "seed": self.seed,
+                "inputs_batch_size": self.inputs.batch_size,
+                "inputs": len(dataset) if isinstance(dataset, Sized) else None,
+                "tokens": None if self.tokens is None else self.tokens.settings()}  # fmt: skip
 
     def check_resume(self) -> None:
         """A resume must draw the same batches as the run it continues."""

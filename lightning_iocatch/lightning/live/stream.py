@@ -1,5 +1,6 @@
-"""One epoch of live activations: the model's inputs in fills of the mixing buffer, each
-fill's forwards run with capture, its rows drawn in batches.
+"""One epoch of live activations (``data`` below: a
+:class:`~lightning_iocatch.lightning.live.LiveActivations`): the model's inputs in fills
+of the mixing buffer, each fill's forwards run with capture, its rows drawn in batches.
 
 Every process reads its own share of the inputs (Lightning's ``UnrepeatedDistributedSampler``:
 no sample twice, the last shares uneven). Before each fill's batches the processes agree on
@@ -16,7 +17,7 @@ forwards again and draws its rows in the same order, and the batches done are sk
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -26,13 +27,10 @@ from lightning_iocatch.capture.catcher import ModelIOCatcher
 from lightning_iocatch.capture.keys import flatten_captures
 from lightning_iocatch.lightning.live.mixing import fill_order, split_rows
 
-if TYPE_CHECKING:
-    from lightning_iocatch.lightning.live.datamodule import LiveActivations
-
 __all__ = ["captured_rows", "epoch_batches"]
 
 
-def epoch_batches(data: LiveActivations, epoch: int, done: int) -> Iterator[dict[str, Tensor]]:
+def epoch_batches(data: Any, epoch: int, done: int) -> Iterator[dict[str, Tensor]]:
     """The batches of ``epoch`` after the first ``done`` (see the module docstring)."""
     inputs = data.inputs_of_this_process()
     fills = _fills(iter(inputs.batches), data.buffer_rows, data.count_rows)
@@ -74,9 +72,7 @@ def _fills(
         yield chunk
 
 
-def _forwards(
-    data: LiveActivations, chunk: list[tuple[list[int], Any, int]], rows: int
-) -> dict[str, Tensor]:
+def _forwards(data: Any, chunk: list[tuple[list[int], Any, int]], rows: int) -> dict[str, Tensor]:
     """The rows of a fill's input batches: each batch's forward with capture, stacked."""
     parts: list[dict[str, Tensor]] = []
     for indices, batch, counted in chunk:
@@ -99,7 +95,7 @@ def _forwards(
     return stacked
 
 
-def captured_rows(data: LiveActivations, batch: Any, indices: list[int]) -> dict[str, Tensor]:
+def captured_rows(data: Any, batch: Any, indices: list[int]) -> dict[str, Tensor]:
     """One input batch's rows by key, with each row's dataset ``index`` (and its
     ``position`` for token rows)."""
     selection = None if data.tokens is None else data.tokens.select(batch)

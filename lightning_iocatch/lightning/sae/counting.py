@@ -1,22 +1,20 @@
 """What an :class:`~lightning_iocatch.lightning.sae.SAEModule` counts each step over every
 process's rows, in its buffers (so a checkpoint holds it): the input norms of the
-normalisation, the rows since each latent last fired, BatchTopK's running threshold."""
+normalisation, the rows since each latent last fired, BatchTopK's running threshold
+(``module``: the SAEModule)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from lightning_iocatch.lightning.sae.module import SAEModule
-
 __all__ = ["count_fired", "estimate_scale", "update_threshold"]
 
 
-def estimate_scale(module: SAEModule, x: Tensor) -> None:
+def estimate_scale(module: Any, x: Tensor) -> None:
     """Counts a batch's row norms; after the last batch of the estimate, sets the SAE's
     ``input_scale`` to ``sqrt(d_in)`` over their mean (SAELens' factor; the norms in
     float64, where SAELens takes them in float32: a relative 1e-8 apart)."""
@@ -31,7 +29,7 @@ def estimate_scale(module: SAEModule, x: Tensor) -> None:
         module.sae.input_scale.copy_(module.sae.d_in**0.5 / mean)
 
 
-def count_fired(module: SAEModule, latents: Tensor, rows: int) -> None:
+def count_fired(module: Any, latents: Tensor, rows: int) -> None:
     """Rows since each latent fired on any process: ``rows`` (the whole batch's) more, 0
     for those that fired."""
     # latents are never negative in training: the largest of each is above 0 where it
@@ -42,13 +40,13 @@ def count_fired(module: SAEModule, latents: Tensor, rows: int) -> None:
     module.tokens_since_fired.masked_fill_(fired, 0)
 
 
-def update_threshold(module: SAEModule, latents: Tensor) -> None:
+def update_threshold(module: Any, latents: Tensor) -> None:
     """BatchTopK's running threshold: ``(1 - lr) * old + lr * smallest kept value`` of the
     whole batch, in float64; a batch with no positive value leaves it (no device sync)."""
     inf = torch.tensor(float("inf"), dtype=latents.dtype, device=latents.device)
     smallest = torch.where(latents > 0, latents, inf).amin().to(torch.float64)
     if module.trainer.world_size > 1:
-        smallest = module.trainer.strategy.reduce(smallest, reduce_op=dist.ReduceOp.MIN)  # type: ignore[arg-type]
+        smallest = module.trainer.strategy.reduce(smallest, reduce_op=dist.ReduceOp.MIN)
     lr = module.topk_threshold_lr
     threshold = module.sae.topk_threshold
     moved = (1 - lr) * threshold + lr * smallest

@@ -321,3 +321,47 @@ def test_inputs_it_cannot_read_by_index_are_refused_at_once(loader: Any, match: 
 
     with pytest.raises((TypeError, ValueError), match=match):
         LiveActivations(language_model(), SPEC, loader(), batch_size=4, tokens=TokenRows())
+
+
+class _Boom(Recorder):
+    """Raises in ``training_step`` of batch ``at`` of epoch 0 (an exception's checkpoint is
+    saved during the step: Lightning runs that batch again)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.current_epoch == 0 and batch_idx == self.at:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_resume_from_a_checkpoint_saved_during_a_step_runs_that_batch_again(
+    fitted: tuple, tmp_path: Path
+) -> None:
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    whole, _ = fitted
+    first = _Boom(at=3)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(
+            enable_checkpointing=True, callbacks=[OnExceptionCheckpoint(tmp_path, "exception")]
+        ).fit(first, datamodule=live(COUNT))
+    second = Recorder()
+    trainer().fit(second, datamodule=live(COUNT), ckpt_path=tmp_path / "exception.ckpt")
+    joined = [pair for batch in first.seen + epoch(second.seen, 0) for pair in pairs(batch)]
+    truth = [pair for batch in epoch(whole, 0) for pair in pairs(batch)]
+    assert joined == truth  # batch 3 again, none skipped, none twice
+
+
+def test_a_resume_from_a_checkpoint_saved_after_the_fit_draws_the_next_epochs_order(
+    fitted: tuple, tmp_path: Path
+) -> None:
+    whole, _ = fitted
+    run = trainer(max_epochs=1)
+    run.fit(Recorder(), datamodule=live(COUNT))
+    run.save_checkpoint(tmp_path / "after.ckpt")
+    resumed = Recorder()
+    trainer(max_epochs=2).fit(resumed, datamodule=live(COUNT), ckpt_path=tmp_path / "after.ckpt")
+    assert [pairs(batch) for batch in resumed.seen] == [pairs(b) for b in epoch(whole, 1)]

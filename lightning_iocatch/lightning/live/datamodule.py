@@ -20,8 +20,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
@@ -102,8 +102,8 @@ class LiveActivations(pl.LightningDataModule):
         if tokens is not None and tokens.reduce is not None:
             raise ValueError(
                 f"`tokens` must give one row per token (reduce=None), got reduce="
-                f"{tokens.reduce!r}: LiveActivations draws token rows; for one row per "
-                "sample capture with reduce= in the spec, without tokens"
+                f"{tokens.reduce!r}: LiveActivations draws token rows, or one row per "
+                "sample without tokens= (a model's per-sample output)"
             )
         parse_io_spec(spec)  # a bad spec fails here, not in the first forward
         self.model = model.requires_grad_(False).eval()
@@ -145,9 +145,9 @@ class LiveActivations(pl.LightningDataModule):
         """This process's share of the inputs, in order, with each batch's dataset indices."""
         dataset = self.inputs.dataset
         sampler: Any = SequentialSampler(dataset)  # type: ignore[arg-type]
-        if self.world > 1:
-            sampler = UnrepeatedDistributedSampler(dataset, num_replicas=self.world, rank=self.rank,
-                                                   shuffle=False)  # fmt: skip
+        if self.world > 1:  # UnrepeatedDistributedSampler's share, and none for a process
+            # beyond the samples (which that sampler refuses): it then takes empty batches
+            sampler = range(self.rank, len(dataset), self.world)  # type: ignore[arg-type]
         batch_sampler = BatchSampler(sampler, self.inputs.batch_size or 1, drop_last=False)
         given = self.inputs
         loader = DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=given.collate_fn,
@@ -233,13 +233,20 @@ class _LiveLoader:
     def _start(self) -> Iterator[dict[str, Tensor]]:
         trainer = self.data.trainer
         if trainer is None:
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                raise RuntimeError(
+                    "LiveActivations' loader is read outside a Trainer's data module on "
+                    f"{dist.get_world_size()} processes: every process would read every row; "
+                    "give it as trainer.fit(module, datamodule=live)"
+                )
             return epoch_batches(self.data, epoch=0, done=0)
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        epoch, done = trainer.current_epoch, progress.current.ready
+        epoch, done = trainer.current_epoch, _batches_done(progress.current)
         if done and progress.is_last_batch:
-            # restored from a checkpoint of a finished epoch (at its end, or after its last
-            # batch): Lightning keeps this iterator for the next epoch, which starts whole
-            epoch, done = epoch + 1, 0
+            # restored from a checkpoint of a finished epoch (at its end, after its last
+            # batch, or after the fit): Lightning keeps this iterator for the epoch it starts
+            started: Any = trainer.fit_loop.epoch_progress.current
+            epoch, done = started.started, 0
         if done:
             self.data.check_resume()
         return epoch_batches(self.data, epoch=epoch, done=done)
@@ -249,3 +256,16 @@ class _LiveLoader:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         return None
+
+
+def _batches_done(current: Any) -> int:
+    """The batches of the epoch Lightning will not run again: those it completed, and the
+    one a checkpoint saved at its end (``on_train_batch_end``: processed, not yet counted
+    completed); a checkpoint saved during a step (an exception's) runs that step again."""
+    ready, started, processed, completed = (
+        current.ready,
+        current.started,
+        current.processed,
+        current.completed,
+    )
+    return completed + 1 if ready == started == processed == completed + 1 else completed

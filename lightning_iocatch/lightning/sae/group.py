@@ -65,6 +65,17 @@ class SAEGroup(pl.LightningModule):
     def setup(self, stage: str) -> None:
         for member in self._each():  # a ModuleDict stops Lightning's own propagation
             member.trainer = self.trainer
+        ddp = getattr(self.trainer.strategy, "_ddp_kwargs", None)  # DDPStrategy's options
+        if (
+            self.trainer.world_size > 1
+            and ddp is not None
+            and not ddp.get("find_unused_parameters")
+        ):
+            raise ValueError(
+                "SAEGroup: each member steps apart (its own backward), which DDP's default "
+                "reducer refuses as unused parameters; use Trainer(strategy="
+                '"ddp_find_unused_parameters_true")'
+            )
 
     @override
     def configure_model(self) -> None:

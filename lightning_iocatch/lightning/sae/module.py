@@ -232,8 +232,14 @@ class SAEModule(LanguageModelHooks):
         self._steps = int(self.steps)  # a resumed run's counts
         self._norm_batches = int(self.norm_batches)
         total = self._total_steps()
-        planned = self.trainer.estimated_stepping_batches
-        if total is not None and self.lr_decay_steps and planned > total + self.normalize_batches:
+        planned = self.trainer.estimated_stepping_batches  # inf or -1 where unknown
+        known = 0 < planned < float("inf")
+        if (
+            total is not None
+            and self.lr_decay_steps
+            and known
+            and planned > total + self.normalize_batches
+        ):
             rank_zero_warn(
                 f"SAEModule: the learning rate decays to 0 at step {total} (`total_steps`), "
                 f"and this fit runs about {planned} steps: the steps after it learn nothing"

@@ -21,7 +21,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
@@ -190,7 +189,7 @@ class LiveActivations(pl.LightningDataModule):
         none of them kept."""
         if self._empty is None:
             first = self.inputs.collate_fn([self.inputs.dataset[0]])
-            rows = captured_rows(self, move_data_to_device(first, self.device), [0])
+            rows = captured_rows(self, first, [0])
             self._empty = {key: value[:0] for key, value in rows.items()}
         return dict(self._empty)
 

@@ -47,9 +47,13 @@ def epoch_batches(data: Any, epoch: int, done: int) -> Iterator[dict[str, Tensor
             fill += 1
             continue
         found = _forwards(data, chunk or [], rows)
+        chunk = None  # the inputs, no longer needed
         order = fill_order(rows, seed=data.seed, epoch=epoch, rank=data.rank, fill=fill)
         parts = split_rows(found, order, batches) if found else [{} for _ in range(batches)]
-        for part in parts[done:]:
+        del found  # the batches hold their own copies: one fill in memory, not two
+        parts = parts[done:][::-1]
+        while parts:  # each batch let go once handed out, before the next fill's forwards
+            part = parts.pop()
             yield part or data.empty_batch()
         done = 0
         fill += 1
@@ -76,7 +80,7 @@ def _forwards(data: Any, chunk: list[tuple[list[int], Any, int]], rows: int) -> 
     """The rows of a fill's input batches: each batch's forward with capture, stacked."""
     parts: list[dict[str, Tensor]] = []
     for indices, batch, counted in chunk:
-        found = captured_rows(data, move_data_to_device(batch, data.device), indices)
+        found = captured_rows(data, batch, indices)
         got = len(found["index"])
         if got != counted:
             raise RuntimeError(
@@ -96,9 +100,11 @@ def _forwards(data: Any, chunk: list[tuple[list[int], Any, int]], rows: int) -> 
 
 
 def captured_rows(data: Any, batch: Any, indices: list[int]) -> dict[str, Tensor]:
-    """One input batch's rows by key, with each row's dataset ``index`` (and its
-    ``position`` for token rows)."""
+    """One input batch's rows by key (the batch as the loader gives it, moved here), with
+    each row's dataset ``index`` (and its ``position`` for token rows)."""
+    # the tokens are chosen on the loader's (host) batch: no device sync per batch on a GPU
     selection = None if data.tokens is None else data.tokens.select(batch)
+    batch = move_data_to_device(batch, data.device)
     catcher = ModelIOCatcher(data.model, data.device)
     session = catcher.from_spec(data.spec, early_exit=True, transform=selection)
     with torch.inference_mode(), data.forward_context(), session as buffer:

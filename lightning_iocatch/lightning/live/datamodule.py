@@ -53,8 +53,8 @@ class LiveActivations(pl.LightningDataModule):
         spec: what to capture, in the capture grammar (``"outputs[model.layers.6]"``); each
             captured value's flat key is a key of the batches, as in a store.
         inputs: a DataLoader of the model's inputs. Its dataset, batch size, collate function
-            and workers are used; its sampler is replaced by one that reads the dataset in
-            order, each process its share.
+            and worker settings are used; its sampler is replaced by one that reads the
+            dataset in order, each process its share.
         batch_size: rows per batch (per process).
         buffer_rows: rows the mixing buffer holds before they are drawn.
         tokens: one row per selected token (:class:`~lightning_iocatch.TokenRows`' rules);
@@ -150,8 +150,11 @@ class LiveActivations(pl.LightningDataModule):
         batch_sampler = BatchSampler(sampler, self.inputs.batch_size or 1, drop_last=False)
         given = self.inputs
         loader = DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=given.collate_fn,
-                            num_workers=given.num_workers,
-                            multiprocessing_context=given.multiprocessing_context)  # fmt: skip
+                            num_workers=given.num_workers, pin_memory=given.pin_memory,
+                            timeout=given.timeout, worker_init_fn=given.worker_init_fn,
+                            multiprocessing_context=given.multiprocessing_context,
+                            generator=given.generator, prefetch_factor=given.prefetch_factor,
+                            persistent_workers=given.persistent_workers)  # fmt: skip
         return _Inputs(zip(list(batch_sampler), loader, strict=True))
 
     def count_rows(self, batch: Any) -> int:

@@ -79,9 +79,12 @@ def by_pair(batches: list[dict[str, Any]]) -> dict[tuple[int, int], torch.Tensor
     return found
 
 
-def hugging_face(autocast: bool = False) -> dict[tuple[int, int], torch.Tensor]:
-    """Layer 1's output (``hidden_states[2]``) of every real token, by Python loops."""
-    lm, found, start = language_model(), {}, 0
+def hugging_face(
+    autocast: bool = False, dtype: torch.dtype = torch.float32
+) -> dict[tuple[int, int], torch.Tensor]:
+    """Layer 1's output (``hidden_states[2]``) of every real token, by Python loops (the
+    model in ``dtype``)."""
+    lm, found, start = language_model().to(dtype), {}, 0
     for batch in inputs():
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             hidden = lm(**batch, output_hidden_states=True).hidden_states[2]
@@ -180,3 +183,17 @@ def test_bf16_mixed_rows_are_the_autocast_rows(tmp_path: Path) -> None:
         assert torch.equal(found[pair], hand[pair].float()), pair
         differ += not torch.equal(found[pair], plain[pair])
     assert differ > 0.9 * len(truth)  # autocast ran: bfloat16 matmuls
+
+
+def test_bf16_true_rows_are_those_of_the_model_in_bfloat16(tmp_path: Path) -> None:
+    """Under ``precision="bf16-true"`` the frozen model runs in bfloat16 (Lightning's
+    conversion, as a dump under that precision): its rows equal a dump under the same
+    precision and Hugging Face's hidden states of the model in bfloat16."""
+    recorder = Recorder()
+    trainer(max_epochs=1, precision="bf16-true").fit(recorder, datamodule=live(COUNT))
+    found = by_pair(recorder.seen)
+    truth, hand = dump(tmp_path / "bf16-true", "bf16-true"), hugging_face(dtype=torch.bfloat16)
+    assert found.keys() == truth.keys() == hand.keys()
+    for pair, row in truth.items():
+        assert torch.equal(found[pair], row.float()), pair
+        assert torch.equal(found[pair], hand[pair].float()), pair

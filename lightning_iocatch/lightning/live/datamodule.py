@@ -49,7 +49,8 @@ class LiveActivations(pl.LightningDataModule):
     Args:
         model: the frozen model (an ``nn.Module`` or a LightningModule), called as
             ``model(**batch)`` for a mapping, ``model(batch[0])`` for a tuple,
-            ``model(batch)`` otherwise. It is put in eval mode, on the Trainer's device.
+            ``model(batch)`` otherwise. It is put in eval mode, on the Trainer's device, and
+            in a ``"*-true"`` precision's dtype (Lightning's conversion, as for a dump).
         spec: what to capture, in the capture grammar (``"outputs[model.layers.6]"``); each
             captured value's flat key is a key of the batches, as in a store.
         inputs: a DataLoader of the model's inputs. Its dataset, batch size, collate function
@@ -114,6 +115,10 @@ class LiveActivations(pl.LightningDataModule):
     # -- Lightning hooks ---------------------------------------------------------------
 
     def setup(self, stage: str) -> None:
+        # in the Trainer's precision: a "*-true" one converts the model (Lightning's own
+        # conversion, as a dump under that precision runs it), a "*-mixed" one autocasts
+        if self.trainer is not None:
+            self.model = self.trainer.precision_plugin.convert_module(self.model)
         self.model.to(self.device)
 
     def train_dataloader(self) -> Any:
@@ -171,6 +176,10 @@ class LiveActivations(pl.LightningDataModule):
         if isinstance(batch, list | tuple):
             return self.model(batch[0])
         return self.model(batch)
+
+    def convert_input(self, batch: Any) -> Any:
+        """The batch's floating tensors in a "*-true" precision's dtype (as Lightning's)."""
+        return batch if self.trainer is None else self.trainer.precision_plugin.convert_input(batch)
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         """The Trainer's precision (autocast under ``bf16-mixed``)."""

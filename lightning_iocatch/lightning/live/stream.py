@@ -104,7 +104,7 @@ def captured_rows(data: Any, batch: Any, indices: list[int]) -> dict[str, Tensor
     each row's dataset ``index`` (and its ``position`` for token rows)."""
     # the tokens are chosen on the loader's (host) batch: no device sync per batch on a GPU
     selection = None if data.tokens is None else data.tokens.select(batch)
-    batch = move_data_to_device(batch, data.device)
+    batch = data.convert_input(move_data_to_device(batch, data.device))
     catcher = ModelIOCatcher(data.model, data.device)
     session = catcher.from_spec(data.spec, early_exit=True, transform=selection)
     with torch.inference_mode(), data.forward_context(), session as buffer:

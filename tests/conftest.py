@@ -118,6 +118,21 @@ def run_script(script: Path | str, *args: str, timeout: float = 300) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+def start_script(script: Path | str, *args: str) -> subprocess.Popen[str]:
+    """Start ``python script args...`` as :func:`run_script` does, without waiting, in a
+    session of its own (a script that SIGKILLs its process group kills only itself); its
+    stderr is kept for the test to read."""
+    return subprocess.Popen(
+        [sys.executable, str(script), *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[S3Server]:
     reason = s3_available()

@@ -83,7 +83,18 @@ def _rectangle(x: Tensor) -> Tensor:
     return ((x > -0.5) & (x < 0.5)).to(x)
 
 
-class JumpReLU(torch.autograd.Function):
+class _StraightThrough(torch.autograd.Function):
+    """What JumpReLU and Step keep for their backward: the inputs, the threshold and the
+    kernel's bandwidth."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, float], output: Tensor) -> None:
+        x, threshold, bandwidth = inputs
+        ctx.save_for_backward(x, threshold)
+        ctx.bandwidth = bandwidth
+
+
+class JumpReLU(_StraightThrough):
     """``x * (x > threshold)``; the gradient of ``x`` where it passes, and of the
     threshold through a rectangle kernel of ``bandwidth`` (SAELens' and Rajamanoharan et
     al.'s straight-through estimator)."""
@@ -91,12 +102,6 @@ class JumpReLU(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
         return (x * (x > threshold)).to(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, float], output: Tensor) -> None:
-        x, threshold, bandwidth = inputs
-        ctx.save_for_backward(x, threshold)
-        ctx.bandwidth = bandwidth
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
@@ -109,19 +114,13 @@ class JumpReLU(torch.autograd.Function):
         return x_grad, threshold_grad, None
 
 
-class Step(torch.autograd.Function):
+class Step(_StraightThrough):
     """``x > threshold`` as 0 or 1, with the threshold's straight-through gradient: the
     L0 of a JumpReLU, differentiable in its threshold."""
 
     @staticmethod
     def forward(x: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
         return (x > threshold).to(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, float], output: Tensor) -> None:
-        x, threshold, bandwidth = inputs
-        ctx.save_for_backward(x, threshold)
-        ctx.bandwidth = bandwidth
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None]:

@@ -16,10 +16,8 @@ counted) and ends bit for bit (``torch.equal``) where an uninterrupted run does.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import start_script
 from tests.ddp_scenarios import ranks_of
 from tests.live.test_live_rows import Frozen
 from tests.scripts.live_distributed import COUNT, INPUT_BATCH, KEY, language_model, texts, trainer
@@ -108,15 +107,7 @@ def test_every_batch_holds_every_key(ranks: list) -> None:
 
 def start(*args: str) -> subprocess.Popen[str]:
     """The script in a session of its own (it kills its process group)."""
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    return start_script(SCRIPT, *args)
 
 
 def finish(process: subprocess.Popen[str], code: int = 0) -> str:

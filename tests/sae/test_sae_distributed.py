@@ -20,15 +20,14 @@ read in the same global batches, its last one split 19/18) within float32 roundi
 from __future__ import annotations
 
 import functools
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import start_script
 from tests.ddp_scenarios import ranks_of
 from tests.scripts.sae_distributed import (
     BATCH,
@@ -94,15 +93,7 @@ CKPT = "step=6.ckpt"  # the last one before (every 3 steps)
 def run(out: Path, *options: str) -> subprocess.Popen[str]:
     """tests/scripts/sae_distributed.py's resume mode in a session of its own (it kills
     its process group)."""
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(out.parent / "store"), str(out), *options],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    return start_script(SCRIPT, str(out.parent / "store"), str(out), *options)
 
 
 def finish(process: subprocess.Popen[str], killed: bool = False) -> None:

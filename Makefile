@@ -38,30 +38,38 @@ docs: venv
 unit: venv
 	$(BIN)/pytest -q -n 2 --dist worksteal -m "not soak"
 
-# Runs repeated to catch a rare failure (marker `soak`): out of `make test`'s six minutes,
-# never out of CI (.ci/run runs them after `make test`); only the files that hold them are
-# collected.
+# Long runs (marker `soak`: runs repeated to catch a rare failure, and the longer
+# multi-process cases of a feature whose shorter case `make test` runs): out of `make
+# test`'s six minutes, never out of CI (.ci/run runs them after `make test`); only the files
+# that hold them are collected, on both cores.
 test-slow: venv
-	$(BIN)/pytest -q -p no:xdist -m soak $$(grep -rl "pytest.mark.soak" tests)
+	$(BIN)/pytest -q -n 2 --dist worksteal -m soak $$(grep -rl "pytest.mark.soak" tests)
 
-# The checks before the suite each use one core: two at a time (CI has 2 cores), after the
-# environment is built once; then the suite on both cores.
-test: venv
-	$(MAKE) -j2 --output-sync=target lint typecheck docs-check test-install
+# Two pips side by side first, each on one core (CI has 2): the environment and the
+# installed wheel's (which needs nothing of .venv); then the checks on .venv two at a time;
+# then the suite on both cores.
+test:
+	$(MAKE) -j2 --output-sync=target venv test-install
+	$(MAKE) -j2 --output-sync=target lint typecheck docs-check
 	$(MAKE) unit
 
 # The package as a user installs it: `python -m build` (an sdist, and the wheel built from
 # it), the wheel installed with the pinned CPU torch (a local wheel) into a fresh virtual
 # environment, never .venv, then imported from there with one dump run and read back
 # (tests/scripts/installed_wheel.py, run from outside the checkout). Both lie in build/,
-# which git ignores. About a minute on 2 cores, most of it pip unpacking torch.
+# which git ignores. Built from a copy of the checkout's files (those git tracks or does not
+# ignore), so that the editable install of .venv, built beside it, never shares its
+# egg-info. About a minute, most of it pip unpacking torch.
 INSTALL_DIR := build/test-install
 .PHONY: test-install
 test-install:
 	rm -rf $(INSTALL_DIR)
+	mkdir -p $(INSTALL_DIR)/source
+	git ls-files -z --cached --others --exclude-standard \
+		| tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C $(INSTALL_DIR)/source
 	$(PYTHON) -m venv $(INSTALL_DIR)/venv
 	$(INSTALL_DIR)/venv/bin/pip install --quiet build
-	$(INSTALL_DIR)/venv/bin/python -m build --outdir $(INSTALL_DIR)/dist . \
+	$(INSTALL_DIR)/venv/bin/python -m build --outdir $(INSTALL_DIR)/dist $(INSTALL_DIR)/source \
 		> $(INSTALL_DIR)/build.log 2>&1 || (cat $(INSTALL_DIR)/build.log; false)
 	$(INSTALL_DIR)/venv/bin/pip install --quiet $(INSTALL_DIR)/dist/*.whl "$(TORCH_PIN)"
 	cd $(INSTALL_DIR) && venv/bin/python $(CURDIR)/tests/scripts/installed_wheel.py

@@ -50,12 +50,18 @@ def launch(out: Path, cases: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Both launches: 2 processes (three plans, then a dump killed), then 4 (the resume
-    under another layout, then the 2 x 2 run)."""
+    """The launch of 2 processes: three plans, then a dump killed."""
     out = tmp_path_factory.mktemp("sharded")
     assert launch(out, TWO) == -9  # the last case kills rank 0
-    assert launch(out, FOUR) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def four(runs: Path) -> Path:
+    """Then the launch of 4 processes (in ``make test-slow``: four imports of Lightning on
+    two cores): the resume under another layout, then the 2 x 2 run."""
+    assert launch(runs, FOUR) == 0
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -135,20 +141,21 @@ def test_tensor_parallel_values_are_whole_and_written_once(
     same_figures(got, want, same_batches=True)
 
 
+@pytest.mark.soak
 def test_two_data_parallel_groups_of_two_tensor_parallel_ranks(
-    runs: Path, truths: dict[tuple[int, int], dict[str, Any]]
+    four: Path, truths: dict[tuple[int, int], dict[str, Any]]
 ) -> None:
     """dp=2 x tp=2 on 4 processes, 13 samples (uneven over the data-parallel ranks): one
     writer per tensor-parallel group, the store and the figures equal the unsharded run."""
-    got, want = results(runs, "torch-2x2"), truths[2, 13]
+    got, want = results(four, "torch-2x2"), truths[2, 13]
     assert got["indices"] == [0, 2, 4, 6, 8, 10, 12]  # rank 0's share
-    store = FeatureStore(runs / "torch-2x2" / "store")
+    store = FeatureStore(four / "torch-2x2" / "store")
     assert sorted(p.name for p in store.path.glob("ledger-*")) == [
         "ledger-r000.jsonl",
         "ledger-r001.jsonl",
     ]
-    same_store(runs / "torch-2x2" / "store", want["path"] / "store")
-    same_store(runs / "torch-2x2" / "tokens", want["path"] / "tokens")
+    same_store(four / "torch-2x2" / "store", want["path"] / "store")
+    same_store(four / "torch-2x2" / "tokens", want["path"] / "tokens")
     same_figures(got, want, same_batches=False)
 
 
@@ -159,13 +166,14 @@ def test_fsdp2(runs: Path, truths: dict[tuple[int, int], dict[str, Any]]) -> Non
     same_figures(got, want, same_batches=False)
 
 
+@pytest.mark.soak
 def test_a_killed_tensor_parallel_dump_resumes_under_another_layout(
-    runs: Path, truths: dict[tuple[int, int], dict[str, Any]]
+    four: Path, truths: dict[tuple[int, int], dict[str, Any]]
 ) -> None:
     """Killed in its third batch under dp=1 x tp=2 (two shards committed by the one
     writer), resumed under dp=2 x tp=2: the committed batch of rank 0's share is not
     computed again, and the store equals the truth's, each sample once."""
-    ledger = (runs / "resumed" / "ledger-r000.jsonl").read_text().splitlines()
+    ledger = (four / "resumed" / "ledger-r000.jsonl").read_text().splitlines()
     assert len(ledger) >= 3  # the killed run's two shards, then the resume's
-    assert json.loads((runs / "resumed.json").read_text()) == [1, 2, 3]  # [0, 2] committed
-    same_store(runs / "resumed", truths[1, 13]["path"] / "store")
+    assert json.loads((four / "resumed.json").read_text()) == [1, 2, 3]  # [0, 2] committed
+    same_store(four / "resumed", truths[1, 13]["path"] / "store")

@@ -117,9 +117,12 @@ def test_a_trainer_dump_to_s3_reads_back_row_for_row(
     )
 
 
+@pytest.mark.soak  # the kill and resume on S3 are in `make test` (test_backends.py)
 def test_a_dump_to_s3_killed_with_sigkill_resumes_with_every_sample_once(
     server: S3Server, bucket: str, weights: Path
 ) -> None:
+    """Besides test_backends.py's kill: an upload without its commit record is not read
+    and is deleted by the resume."""
     url, options = f"s3://{bucket}/run", server.storage_options()
     assert run_dump(url, options, weights, "--kill-at-batch", "9") == -signal.SIGKILL
     committed = FeatureStore(url, storage_options=options).indices.tolist()
@@ -143,7 +146,7 @@ def test_a_dump_to_s3_killed_with_sigkill_resumes_with_every_sample_once(
     assert fs.cat_file(orphan) != b"uploaded, never committed"  # deleted, then written anew
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # 2-process dumps: test_writer_resume.py; S3: the tests above
 def test_a_two_process_ddp_dump_to_s3(server: S3Server, bucket: str, weights: Path) -> None:
     url, options = f"s3://{bucket}/run", server.storage_options()
     assert run_dump(url, options, weights, "--devices", "2") == 0

@@ -360,21 +360,30 @@ def test_a_process_that_cannot_tell_its_rank_is_refused(
     assert len(pickle.loads(pickle.dumps(explicit))) == 6  # 22 rows in batches of 4
 
 
-START_METHODS = ["fork", "spawn", "forkserver"]
+def read_in_ddp(dumped: Path, out: Path, *start_methods: str) -> Path:
+    """The reads of ``start_methods``, one after another in one 2-process launch."""
+    run_script(ROOT / "tests/scripts/store_rows_ddp.py", str(dumped), str(out), *start_methods)
+    return out
 
 
 @pytest.fixture(scope="module")
 def ddp_reads(dumped: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reads of every start method, one after another in one 2-process launch."""
-    out = tmp_path_factory.mktemp("ddp-reads")
-    run_script(ROOT / "tests/scripts/store_rows_ddp.py", str(dumped), str(out), *START_METHODS)
-    return out
+    return read_in_ddp(dumped, tmp_path_factory.mktemp("ddp-reads"), "fork", "spawn")
+
+
+@pytest.fixture(scope="module")
+def ddp_reads_forkserver(dumped: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``forkserver``'s workers, like ``spawn``'s, start without the process group: a launch
+    of its own, in ``make test-slow``."""
+    return read_in_ddp(dumped, tmp_path_factory.mktemp("ddp-reads-fs"), "forkserver")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize(
+    "start_method", ["fork", "spawn", pytest.param("forkserver", marks=pytest.mark.soak)]
+)
 def test_two_ddp_processes_read_every_row_once_per_epoch(
-    ddp_reads: Path, start_method: str
+    request: pytest.FixtureRequest, start_method: str
 ) -> None:
     """2 processes x 2 DataLoader workers started by each start method: inside Trainer.fit
     (StoreDataModule, persistent workers) and in a DataLoader of StoreRows built by hand.
@@ -382,6 +391,8 @@ def test_two_ddp_processes_read_every_row_once_per_epoch(
     Workers started by ``spawn`` or ``forkserver`` have no process group: before the fix
     each read as rank 0 of 1, so both ranks read all 45 rows (90 a epoch), without a word.
     """
+    fixture = "ddp_reads_forkserver" if start_method == "forkserver" else "ddp_reads"
+    ddp_reads = request.getfixturevalue(fixture)
     ranks = [json.loads((ddp_reads / f"{start_method}-rank{r}.json").read_text()) for r in (0, 1)]
     assert [rank["sampler"] for rank in ranks] == ["_InfiniteConstantSampler"] * 2
     assert [rank["batches"] for rank in ranks] == [3, 3]  # 22 and 23 rows in batches of 11

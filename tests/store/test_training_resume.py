@@ -350,21 +350,26 @@ LIMITED = [
     "1",
 ]
 TWO_PERSISTENT = ["--devices", "2", "--workers", "2", "--batch-size", "2000", "--persistent"]
-KILLS = [  # (first run, kill after batch, resumed run): 10 %, 37 % and 90 % of an epoch
+# (first run, kill after batch, resumed run): 10 %, 37 % and 90 % of an epoch. The first in
+# `make test`; the other two, 2 processes resumed by 1 the other way round and a limited
+# fit, in `make test-slow` (CI runs both).
+KILLS = [
     (
         ["--devices", "2", "--workers", "2", "--batch-size", "1250", "--persistent"],
         16,  # of 41 batches; checkpoint after 15 (37 %)
         ["--devices", "1", "--workers", "1", "--batch-size", "1999"],
     ),
-    (
+    pytest.param(
         ["--devices", "1", "--workers", "0", "--batch-size", "2500"],
         4,  # of 41 batches; checkpoint after 3
         [*TWO_PERSISTENT, "--steps-in-configure"],  # sized after the restore, batch changed
+        marks=pytest.mark.soak,
     ),
-    (
+    pytest.param(
         [*LIMITED, "--workers", "2"],
         26,  # of 30 batches (the limit); checkpoint after 26 (step 13, 87 %)
         [*LIMITED, "--workers", "1", "--steps-in-setup"],  # sized before the restore
+        marks=pytest.mark.soak,
     ),
 ]
 

@@ -30,6 +30,7 @@ from tests.conftest import RowLinear
 from tests.scripts.live_distributed import (
     INPUT_BATCH,
     KEY,
+    SPEC,
     Recorder,
     language_model,
     live,
@@ -197,3 +198,37 @@ def test_bf16_true_rows_are_those_of_the_model_in_bfloat16(tmp_path: Path) -> No
     for pair, row in truth.items():
         assert torch.equal(found[pair], row.float()), pair
         assert torch.equal(found[pair], hand[pair].float()), pair
+
+
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no")  # `plain`
+def test_a_validation_loader_is_validated_on_each_epoch_of_a_live_fit() -> None:
+    """``validation=``: held-out text reaches ``SAEModule(language_model=...)`` (``fit``
+    takes no validation loader beside a data module); the figures logged after the fit are
+    those of a separate ``validate`` of the fitted weights on that text, and none without."""
+    from lightning_iocatch.lightning.sae import SAEModule
+
+    lm = language_model()
+    held_out = DataLoader(texts(6, seed=1), batch_size=3)  # type: ignore[arg-type]
+    data = LiveActivations(lm, SPEC, inputs(), batch_size=24, buffer_rows=60,
+                           tokens=TokenRows(), validation=held_out)  # fmt: skip
+    torch.manual_seed(0)
+    module = SAEModule(32, 64, "topk", k=4, key=KEY, lr=3e-3, language_model=lm,
+                       layer=SPEC[len("outputs[") : -1])  # fmt: skip
+    validated: list[int] = []
+
+    class Count(pl.Callback):
+        def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            validated.append(len(args[3]["input_ids"]))  # the batch
+
+    fitted = trainer(max_epochs=2, num_sanity_val_steps=0, callbacks=[Count()])
+    fitted.fit(module, datamodule=data)
+    logged = {name: float(value) for name, value in fitted.callback_metrics.items()}
+    assert validated == [3, 3] * 2  # the held-out loader, whole, after each epoch
+    again = trainer().validate(module, held_out, verbose=False)[0]
+    for name in ("sae/sae/loss_recovered", "sae/sae/kl", "val/dead_fraction"):
+        assert logged[name] == pytest.approx(again[name], rel=1e-6), name
+    plain = trainer(max_epochs=1)
+    plain.fit(SAEModule(32, 64, "topk", k=4, key=KEY), datamodule=live(COUNT))
+    assert not any(name.startswith(("sae/sae/", "val/")) for name in plain.callback_metrics)
+    with pytest.raises(TypeError, match="`validation` must be a DataLoader"):
+        LiveActivations(lm, SPEC, inputs(), batch_size=24, validation=[1, 2])  # type: ignore[arg-type]

@@ -61,6 +61,10 @@ class LiveActivations(pl.LightningDataModule):
         tokens: one row per selected token (:class:`~lightning_iocatch.TokenRows`' rules);
             by default one row per sample.
         seed: the seed of the draws.
+        validation: a DataLoader given to the Trainer as this data module's validation
+            loader, unchanged (e.g. tokenized held-out text for
+            ``SAEModule(language_model=...)``); ``fit`` takes no validation loader beside a
+            data module.
 
     Batches hold each key's rows, ``"index"`` (each row's dataset index) and, for token
     rows, ``"position"``.
@@ -76,6 +80,7 @@ class LiveActivations(pl.LightningDataModule):
         buffer_rows: int = 65536,
         tokens: TokenRows | None = None,
         seed: int = 0,
+        validation: DataLoader | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -111,6 +116,12 @@ class LiveActivations(pl.LightningDataModule):
         self.batch_size, self.buffer_rows, self.seed = batch_size, buffer_rows, seed
         self._saved: dict[str, Any] = {}
         self._empty: dict[str, Tensor] | None = None
+        if validation is not None:  # as LightningDataModule.from_datasets does
+            if not isinstance(validation, DataLoader):
+                raise TypeError(
+                    f"`validation` must be a DataLoader, got {type(validation).__name__}"
+                )
+            self.val_dataloader = lambda: validation  # type: ignore[method-assign]
 
     # -- Lightning hooks ---------------------------------------------------------------
 

@@ -131,7 +131,7 @@ def train(out: Path, *, quick: bool = False) -> dict[str, Any]:
     for name, text in texts().items():
         train_data[name], held_out[name] = split(text, held_out=16 if quick else 64)
     lm = CharLM()
-    steps = 150 if quick else 1500
+    steps = 60 if quick else 1500
     both = DataLoader(train_data["prose"] + train_data["code"], batch_size=32, shuffle=True)
     trainer(max_steps=steps).fit(lm, both)
     lm.eval()

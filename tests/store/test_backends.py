@@ -212,6 +212,9 @@ def killed_dump(place: Place, weights: Path) -> None:
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
 
 
+@pytest.mark.parametrize(  # on S3 (a process killed: 9 s): in `make test-slow`
+    "place", ["local", "memory", pytest.param("s3", marks=pytest.mark.soak)], indirect=True
+)
 def test_a_killed_dump_resumes_with_every_sample_once(place: Place, weights: Path) -> None:
     killed_dump(place, weights)
     committed = FeatureStore(place.url, storage_options=place.options).indices.tolist()

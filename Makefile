@@ -4,14 +4,19 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The CPU wheel of torch, pinned here (pyproject.toml keeps a normal lower bound for users).
 TORCH_PIN := torch==2.13.0
+# pip installs without compiling every module to bytecode (torch alone: 55 s, 7 s without);
+# each module is compiled once, when first imported, and cached, which needs Python to
+# write bytecode even where the environment says not to (PYTHONDONTWRITEBYTECODE).
+PIP_NO_COMPILE := --no-compile
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: venv test test-slow lint typecheck docs-check unit demo docs bench bench-tokens bench-units bench-effects bench-sae test-peers bench-atp bench-atp-cost test-peers-atp bench-health bench-compact bench-compact-sae bench-compact-study bench-sharded bench-live clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_PIN)"
-	$(BIN)/pip install --quiet -e ".[test,demo]" "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet $(PIP_NO_COMPILE) --upgrade pip
+	$(BIN)/pip install --quiet $(PIP_NO_COMPILE) "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet $(PIP_NO_COMPILE) -e ".[test,demo]" "$(TORCH_PIN)"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -68,10 +73,10 @@ test-install:
 	git ls-files -z --cached --others --exclude-standard \
 		| tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C $(INSTALL_DIR)/source
 	$(PYTHON) -m venv $(INSTALL_DIR)/venv
-	$(INSTALL_DIR)/venv/bin/pip install --quiet build
+	$(INSTALL_DIR)/venv/bin/pip install --quiet $(PIP_NO_COMPILE) build
 	$(INSTALL_DIR)/venv/bin/python -m build --outdir $(INSTALL_DIR)/dist $(INSTALL_DIR)/source \
 		> $(INSTALL_DIR)/build.log 2>&1 || (cat $(INSTALL_DIR)/build.log; false)
-	$(INSTALL_DIR)/venv/bin/pip install --quiet $(INSTALL_DIR)/dist/*.whl "$(TORCH_PIN)"
+	$(INSTALL_DIR)/venv/bin/pip install --quiet $(PIP_NO_COMPILE) $(INSTALL_DIR)/dist/*.whl "$(TORCH_PIN)"
 	cd $(INSTALL_DIR) && venv/bin/python $(CURDIR)/tests/scripts/installed_wheel.py
 
 demo: venv
@@ -84,9 +89,9 @@ bench: venv
 BENCH_VENV := .venv-bench
 $(BENCH_VENV)/bin/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
-	$(BENCH_VENV)/bin/pip install --quiet "$(TORCH_PIN)"
-	$(BENCH_VENV)/bin/pip install --quiet -e . "sae-lens>=6" "datasets>=4.0" pytest "$(TORCH_PIN)"
+	$(BENCH_VENV)/bin/pip install --quiet $(PIP_NO_COMPILE) --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet $(PIP_NO_COMPILE) "$(TORCH_PIN)"
+	$(BENCH_VENV)/bin/pip install --quiet $(PIP_NO_COMPILE) -e . "sae-lens>=6" "datasets>=4.0" pytest "$(TORCH_PIN)"
 	touch $@
 
 bench-tokens: $(BENCH_VENV)/bin/.installed
@@ -111,9 +116,9 @@ bench-sae: $(BENCH_VENV)/bin/.installed
 UNITS_VENV := $(BENCH_VENV)/units
 $(UNITS_VENV)/bin/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(UNITS_VENV)
-	$(UNITS_VENV)/bin/pip install --quiet --upgrade pip
-	$(UNITS_VENV)/bin/pip install --quiet "$(TORCH_PIN)"
-	$(UNITS_VENV)/bin/pip install --quiet -e . "eai-delphi==0.1.3" matplotlib "$(TORCH_PIN)"
+	$(UNITS_VENV)/bin/pip install --quiet $(PIP_NO_COMPILE) --upgrade pip
+	$(UNITS_VENV)/bin/pip install --quiet $(PIP_NO_COMPILE) "$(TORCH_PIN)"
+	$(UNITS_VENV)/bin/pip install --quiet $(PIP_NO_COMPILE) -e . "eai-delphi==0.1.3" matplotlib "$(TORCH_PIN)"
 	$(UNITS_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
@@ -132,9 +137,9 @@ bench-effects: venv
 ATP_VENV := $(BENCH_VENV)/atp
 $(ATP_VENV)/bin/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(ATP_VENV)
-	$(ATP_VENV)/bin/pip install --quiet --upgrade pip
-	$(ATP_VENV)/bin/pip install --quiet "$(TORCH_PIN)"
-	$(ATP_VENV)/bin/pip install --quiet -e . "transformer-lens==3.9.0" pytest "$(TORCH_PIN)"
+	$(ATP_VENV)/bin/pip install --quiet $(PIP_NO_COMPILE) --upgrade pip
+	$(ATP_VENV)/bin/pip install --quiet $(PIP_NO_COMPILE) "$(TORCH_PIN)"
+	$(ATP_VENV)/bin/pip install --quiet $(PIP_NO_COMPILE) -e . "transformer-lens==3.9.0" pytest "$(TORCH_PIN)"
 	$(ATP_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 

@@ -39,6 +39,7 @@ SCENARIOS = {
     "effects": "tests.lightning.test_effects",
     "health_training": "tests.lightning.test_health_training",
     "health_layout": "tests.lightning.test_health_layout",
+    "training_layout": "tests.store.test_training_layout",
     "sae_distributed": "tests.scripts.sae_distributed",
     "live_distributed": "tests.scripts.live_distributed",
 }

@@ -4,16 +4,15 @@ own samplers do (``trainer.strategy.distributed_sampler_kwargs``), not of its gl
 Under ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)`` the two ranks
 are one tensor-parallel group: they must see the same batches. The ground truth is a plain
 DataLoader in the same Trainer (Lightning gives it a ``DistributedSampler`` from the
-strategy's layout) over the epoch's sequence, read by one process in one batch. Run as a
-script, this file is both processes of two Trainer runs (dp=1 x tp=2, then dp=2 x tp=1)::
-
-    python tests/store/test_training_layout.py STORE OUT_DIR
+strategy's layout) over the epoch's sequence, read by one process in one batch. The two
+Trainer runs (dp=1 x tp=2, then dp=2 x tp=1) are a scenario of the shared 2-process launch
+(tests/ddp_scenarios.py: this module's ``main``).
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from lightning_iocatch import StoreDataModule
 from lightning_iocatch.store.plan import prepare_store
 from lightning_iocatch.store.training import INDEX, StoreRows
 from lightning_iocatch.store.writer import ShardWriter
-from tests.conftest import run_script
+from tests.ddp_scenarios import ranks_of
 
 KEY = "h/outputs"
 N, BATCH, SEED = 21, 4, 5  # 21 rows: uneven over 2 ranks and batches of 4
@@ -38,8 +37,11 @@ LAYOUTS = {"tp": (1, 2), "dp": (2, 1)}  # (data_parallel_size, tensor_parallel_s
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_store(tmp_path_factory.mktemp("layout") / "store")
+
+
+def build_store(path: Path) -> Path:
     """N rows in stored batches of 5, each row's value its dataset index."""
-    path = tmp_path_factory.mktemp("layout") / "store"
     settings = {"spec": None, "stage": "predict", "dtype": None}
     writer = ShardWriter(path, rank=0, plan=prepare_store(path, "create", settings))
     for first in range(0, N, 5):
@@ -68,17 +70,17 @@ def rest_on(store: Path, state: dict[str, Any], world: int) -> list[int]:
     return [i for step in zip(*ranks, strict=True) for batch in step for i in batch]
 
 
-@pytest.mark.slow
 def test_tensor_parallel_ranks_read_the_same_rows_as_lightnings_sampler_gives_them(
-    store: Path, tmp_path: Path
+    ddp_scenarios: Path,
 ) -> None:
     """Before the fix, the two ranks of one tensor-parallel group (dp=1) read different halves
     of the epoch (split by global rank), where the plain loader gave both the whole sequence;
     and the state saved mid-epoch counted 8 rows a step (2 x 4) where 4 were consumed, so a
     resume skipped rows."""
-    run_script(__file__, str(store), str(tmp_path), timeout=240)
+    out = ranks_of(ddp_scenarios, "training_layout")
+    store = out / "store"
     sequence = truth(store)
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     # Lightning's own layout: one replica under tp, two under dp
     assert [rank["tp"]["sampler"] for rank in ranks] == [{"num_replicas": 1, "rank": 0}] * 2
     assert [rank["dp"]["sampler"] for rank in ranks] == [
@@ -106,7 +108,7 @@ def test_tensor_parallel_ranks_read_the_same_rows_as_lightnings_sampler_gives_th
             assert consumed + rest_on(store, states[0], other) == sequence, (layout, other)
 
 
-# Both runs, as a script
+# Both runs, in the shared 2-process launch
 
 
 class Both(StoreDataModule):
@@ -146,7 +148,14 @@ class Recorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def main(store: str, out: Path) -> None:
+def main(out: Path) -> None:
+    """The scenario: rank 0 writes the store, then both processes run both layouts."""
+    import torch.distributed as dist
+
+    store = out / "store"
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        build_store(store)
+    dist.barrier()  # the launch's process group, made by the scenarios before this one
     sequence = truth(store)
     facts: dict[str, Any] = {}
     for name, (dp, tp) in LAYOUTS.items():
@@ -161,12 +170,8 @@ def main(store: str, out: Path) -> None:
             enable_model_summary=False,
             enable_checkpointing=False,
         )
-        run.fit(module, datamodule=Both(store, sequence))
+        run.fit(module, datamodule=Both(str(store), sequence))
         sampler = run.strategy.distributed_sampler_kwargs  # type: ignore[attr-defined]
         facts[name] = {**module.seen, "state": module.state, "sampler": sampler}
         rank = run.global_rank
     (out / f"rank{rank}.json").write_text(json.dumps(facts))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))

@@ -16,6 +16,7 @@ counted) and ends bit for bit (``torch.equal``) where an uninterrupted run does.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from collections import Counter
@@ -120,6 +121,23 @@ def finish(process: subprocess.Popen[str], code: int = 0) -> str:
 def test_an_sae_trains_under_ddp_on_uneven_shares(tmp_path: Path) -> None:
     finish(start("sae-ddp", str(tmp_path)))
     assert (tmp_path / "sae0.txt").read_text() == (tmp_path / "sae1.txt").read_text()
+
+
+@pytest.mark.soak
+def test_a_forward_failing_on_one_process_ends_both() -> None:
+    """Rank 1's frozen model raises while rank 0 waits for it in the fill's agreement (a
+    collective): both processes end with the error (gloo raises in rank 0 once rank 1 has
+    gone), well before the script's own 240 s hang guard."""
+    process = start("fails")
+    try:
+        _, stderr = process.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise AssertionError("a failed forward on one process left the other waiting") from None
+    assert process.returncode != 0
+    assert "the frozen model failed on rank 1" in stderr
+    assert "Timeout" not in stderr  # not ended by the hang guard
 
 
 KILL_AFTER, CKPT = 7, "step=6.ckpt"  # killed after batch 7 of epoch 0; checkpoints every 3

@@ -173,10 +173,30 @@ def sae_ddp(out: Path) -> None:
     (out / f"sae{run.global_rank}.txt").write_text(str(run.global_step))
 
 
+def fails() -> None:
+    """A 2-process fit whose rank 1 forward raises in its third input batch (the second
+    fill), while rank 0 waits in the fill's agreement: both processes must end, not hang."""
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the run, with stacks
+    data = live()
+    calls = [0]
+
+    def fail_on_rank_1(module: nn.Module, args: Any, kwargs: Any) -> None:
+        calls[0] += 1
+        if data.trainer.global_rank == 1 and calls[0] == 3:
+            raise RuntimeError("the frozen model failed on rank 1")
+
+    data.model.register_forward_pre_hook(fail_on_rank_1, with_kwargs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(2).fit(sae_module(), datamodule=data)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "resume":
         resume(sys.argv[2:])
     elif sys.argv[1] == "sae-ddp":
         sae_ddp(Path(sys.argv[2]))
+    elif sys.argv[1] == "fails":
+        fails()
     else:
         main(Path(sys.argv[1]))

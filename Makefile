@@ -108,6 +108,7 @@ test-peers: $(BENCH_VENV)/bin/.installed
 bench-sae: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python benchmarks/sae_parity.py
 	cd benchmarks && ../$(BENCH_VENV)/bin/python sae_quality.py
+	cd benchmarks && ../$(BENCH_VENV)/bin/python sae_step_speed.py
 
 # Unit statistics (top-k, density) against delphi's in-memory cache: eai-delphi in an
 # environment of its own. eai-delphi brings torchvision and torchaudio built for another

@@ -1,0 +1,107 @@
+"""The SAE's training step alone, ours against SAELens': the same batches, in memory.
+
+    ../.venv-bench/bin/python sae_step_speed.py [--rounds 5] [--steps 96]   # in benchmarks/
+
+``sae_quality.py`` compares the tools as users run them: ours reads the dump through
+``StoreDataModule``, SAELens' batches are a permutation of rows in memory. This script
+takes the store out: both train on the same ``--steps`` batches of 1,024 random rows of
+width 128 held in memory (SAELens through ``SAETrainer.step``, ours through
+``Trainer.fit`` over a ``DataLoader`` of those batches), 1,024 latents, the settings of
+``sae_quality.py``, our input normalisation off (``normalize_batches=0``: SAELens'
+trainer has none, so both train on every batch). Torch single-threaded; CPU seconds of
+the training itself (ours from ``on_train_start`` to ``on_train_end``), the tools
+alternating; printed per architecture as SAELens' seconds over ours (a throughput
+ratio), median (min to max) over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import sae_quality as quality
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_iocatch import SAEModule
+
+WIDTH = 128
+
+
+def saelens_seconds(architecture: str, batches: list[torch.Tensor]) -> float:
+    from sae_lens.config import SAETrainerConfig
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    steps = len(batches)
+    sae = quality.saelens_sae(architecture, 0, warmup=steps // 10, width=WIDTH)
+    config = SAETrainerConfig(total_training_samples=steps * quality.BATCH, lr=quality.LR,
+                              lr_end=quality.LR / 10, train_batch_size_samples=quality.BATCH,
+                              dead_feature_window=quality.WINDOW)  # fmt: skip
+    trainer = SAETrainer(config, sae, data_provider=iter(batches))
+    start = time.process_time()
+    for batch in batches:
+        trainer.step(batch)
+        trainer.n_training_steps += 1
+    return time.process_time() - start
+
+
+class _Timed(pl.Callback):
+    seconds = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = time.process_time()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seconds = time.process_time() - self.start
+
+
+def our_seconds(architecture: str, batches: list[torch.Tensor]) -> float:
+    steps = len(batches)
+    k = quality.K if "topk" in architecture else None
+    module = SAEModule(
+        WIDTH, quality.LATENTS, architecture, k, lr=quality.LR, seed=0,  # type: ignore[arg-type]
+        sparsity_coefficient=quality.SPARSITY.get(architecture, 1.0),
+        sparsity_warmup_steps=steps // 10, dead_after_tokens=quality.WINDOW * quality.BATCH,
+        normalize_batches=0,
+    )  # fmt: skip
+    timed = _Timed()
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, callbacks=[timed],
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, DataLoader(batches, batch_size=None))  # type: ignore[arg-type]
+    return timed.seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument("--only", default=",".join(quality.ARCHITECTURES))
+    args = parser.parse_args()
+    quality.quiet()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randn(quality.BATCH, WIDTH, generator=generator) for _ in range(args.steps)]
+    report: dict[str, Any] = {"torch": torch.__version__, "steps": args.steps}
+    for architecture in args.only.split(","):
+        ratios = []
+        for round_ in range(args.rounds):
+            order = [saelens_seconds, our_seconds]
+            seconds = {run.__name__: run(architecture, batches) for run in
+                       (order if round_ % 2 else order[::-1])}  # fmt: skip
+            ratios.append(seconds["saelens_seconds"] / seconds["our_seconds"])
+        report[architecture] = {
+            "throughput_ratio": round(statistics.median(ratios), 3),
+            "min": round(min(ratios), 3),
+            "max": round(max(ratios), 3),
+        }
+        print(architecture, report[architecture], flush=True)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

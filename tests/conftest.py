@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +48,23 @@ def _seeded() -> None:
     random.seed(_SEED)
     np.random.seed(_SEED)
     torch.manual_seed(_SEED)
+
+
+_SIGINT = signal.getsignal(signal.SIGINT)
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_as_python_has_it() -> Iterator[None]:
+    """Every test starts with Python's own Ctrl-C handler, and a test that leaves another
+    (Lightning ignores SIGINT once it has handled a KeyboardInterrupt) is named and undone:
+    a test that presses Ctrl-C failed once, in one worker of one run, with its signal
+    ignored."""
+    signal.signal(signal.SIGINT, _SIGINT)
+    yield
+    left = signal.getsignal(signal.SIGINT)
+    if left is not _SIGINT:
+        signal.signal(signal.SIGINT, _SIGINT)
+        warnings.warn(f"the test left SIGINT's handler {left!r}; put back", stacklevel=1)
 
 
 class RowLinear(nn.Linear):

@@ -204,10 +204,14 @@ def test_bf16_true_rows_are_those_of_the_model_in_bfloat16(tmp_path: Path) -> No
 def test_a_validation_loader_is_validated_on_each_epoch_of_a_live_fit() -> None:
     """``validation=``: held-out text reaches ``SAEModule(language_model=...)`` (``fit``
     takes no validation loader beside a data module); the figures logged after the fit are
-    those of a separate ``validate`` of the fitted weights on that text, and none without."""
+    those of a separate ``validate`` of the fitted weights on that text, and none without.
+    The language model, shared by the data module and the SAE module, has dropout: Lightning
+    puts it in train mode for the fit, and the rows must still be those of the model in eval
+    mode (Hugging Face's hidden states)."""
     from lightning_iocatch.lightning.sae import SAEModule
+    from tests.lightning_models import tiny_llama
 
-    lm = language_model()
+    lm = tiny_llama(num_hidden_layers=3, attention_dropout=0.5)  # language_model()'s weights
     held_out = DataLoader(texts(6, seed=1), batch_size=3)  # type: ignore[arg-type]
     data = LiveActivations(lm, SPEC, inputs(), batch_size=24, buffer_rows=60,
                            tokens=TokenRows(), validation=held_out)  # fmt: skip
@@ -215,15 +219,25 @@ def test_a_validation_loader_is_validated_on_each_epoch_of_a_live_fit() -> None:
     module = SAEModule(32, 64, "topk", k=4, key=KEY, lr=3e-3, language_model=lm,
                        layer=SPEC[len("outputs[") : -1])  # fmt: skip
     validated: list[int] = []
+    trained: list[dict[str, Any]] = []
 
     class Count(pl.Callback):
         def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
             validated.append(len(args[3]["input_ids"]))  # the batch
 
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+            if trainer.current_epoch == 1:  # after a validation: Lightning's train() again
+                trained.append(args[2])  # the batch
+
     fitted = trainer(max_epochs=2, num_sanity_val_steps=0, callbacks=[Count()])
     fitted.fit(module, datamodule=data)
     logged = {name: float(value) for name, value in fitted.callback_metrics.items()}
     assert validated == [3, 3] * 2  # the held-out loader, whole, after each epoch
+    rows, truth = by_pair(trained), hugging_face()
+    assert rows.keys() == truth.keys()
+    for pair, row in rows.items():
+        torch.testing.assert_close(row, truth[pair], rtol=1e-5, atol=1e-5, msg=str(pair))
+    assert not lm.training  # given back in its modes (SAEModule keeps them)
     again = trainer().validate(module, held_out, verbose=False)[0]
     for name in ("sae/sae/loss_recovered", "sae/sae/kl", "val/dead_fraction"):
         assert logged[name] == pytest.approx(again[name], rel=1e-6), name

@@ -16,6 +16,7 @@ forwards again and draws its rows in the same order, and the batches done are sk
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,6 +100,20 @@ def _forwards(data: Any, chunk: list[tuple[list[int], Any, int]], rows: int) -> 
     return stacked
 
 
+@contextlib.contextmanager
+def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for a fill's forward, its modules' modes given back after: a
+    model the trained module holds too (``SAEModule(language_model=...)``) is put in train
+    mode by Lightning's fit, which would turn its dropout on in the rows."""
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes.items():
+            module.train(training)
+
+
 def captured_rows(data: Any, batch: Any, indices: list[int]) -> dict[str, Tensor]:
     """One input batch's rows by key (the batch as the loader gives it, moved here), with
     each row's dataset ``index`` (and its ``position`` for token rows)."""
@@ -107,7 +122,7 @@ def captured_rows(data: Any, batch: Any, indices: list[int]) -> dict[str, Tensor
     batch = data.convert_input(move_data_to_device(batch, data.device))
     catcher = ModelIOCatcher(data.model, data.device)
     session = catcher.from_spec(data.spec, early_exit=True, transform=selection)
-    with torch.inference_mode(), data.forward_context(), session as buffer:
+    with torch.inference_mode(), data.forward_context(), _evaluating(data.model), session as buffer:
         catcher.call(data.run_model, batch)
     captured = flatten_captures(buffer)
     index = torch.as_tensor(indices, dtype=torch.int64, device=data.device)

@@ -46,9 +46,10 @@ unit: venv
 # Long runs (marker `soak`: runs repeated to catch a rare failure, and the longer
 # multi-process cases of a feature whose shorter case `make test` runs): out of `make
 # test`'s six minutes, never out of CI (.ci/run runs them after `make test`); only the files
-# that hold them are collected, on both cores.
+# that hold them are collected, on both cores, a file's tests on one (their module
+# fixtures launch processes once).
 test-slow: venv
-	$(BIN)/pytest -q -n 2 --dist worksteal -m soak $$(grep -rl "pytest.mark.soak" tests)
+	$(BIN)/pytest -q -n 2 --dist loadfile -m soak $$(grep -rl --include="*.py" "pytest.mark.soak" tests)
 
 # Two pips side by side first, each on one core (CI has 2): the environment and the
 # installed wheel's (which needs nothing of .venv); then the checks on .venv two at a time;
@@ -70,6 +71,7 @@ INSTALL_DIR := build/test-install
 test-install:
 	rm -rf $(INSTALL_DIR)
 	mkdir -p $(INSTALL_DIR)/source
+	git rev-parse --git-dir > /dev/null  # a checkout: its files are what git lists
 	git ls-files -z --cached --others --exclude-standard \
 		| tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C $(INSTALL_DIR)/source
 	$(PYTHON) -m venv $(INSTALL_DIR)/venv

@@ -36,6 +36,13 @@ def _threads_per_test_process() -> None:
 
 _threads_per_test_process()
 
+# Modules are compiled to bytecode once, when first imported, and cached, in this process
+# and every process a test starts: `make venv` installs without compiling them, and an
+# environment asking Python not to write bytecode would recompile torch and Lightning in
+# each of them (the machine this suite was written on sets PYTHONDONTWRITEBYTECODE=1).
+sys.dont_write_bytecode = False
+os.environ["PYTHONDONTWRITEBYTECODE"] = ""
+
 _SEED = 0
 
 
@@ -50,20 +57,17 @@ def _seeded() -> None:
     torch.manual_seed(_SEED)
 
 
-_SIGINT = signal.getsignal(signal.SIGINT)
-
-
 @pytest.fixture(autouse=True)
 def _ctrl_c_as_python_has_it() -> Iterator[None]:
     """Every test starts with Python's own Ctrl-C handler, and a test that leaves another
     (Lightning ignores SIGINT once it has handled a KeyboardInterrupt) is named and undone:
     a test that presses Ctrl-C failed once, in one worker of one run, with its signal
     ignored."""
-    signal.signal(signal.SIGINT, _SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not SIG_IGN, e.g. under `&`
     yield
     left = signal.getsignal(signal.SIGINT)
-    if left is not _SIGINT:
-        signal.signal(signal.SIGINT, _SIGINT)
+    if left is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         warnings.warn(f"the test left SIGINT's handler {left!r}; put back", stacklevel=1)
 
 

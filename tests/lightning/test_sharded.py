@@ -30,7 +30,8 @@ from tests.scripts.sharded_run import run
 
 pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "tests" / "scripts" / "sharded_run.py"
-TWO = ["torch:1:2:13:all", "hf:1:2:13:all", "fsdp:2:1:14:all", "torch:1:2:13:kill"]
+TWO = ["torch:1:2:13:all", "hf:1:2:13:all", "fsdp:2:1:14:all"]
+KILL = ["torch:1:2:13:kill"]
 FOUR = ["torch:2:2:13:resume", "torch:2:2:13:all"]
 
 
@@ -50,18 +51,21 @@ def launch(out: Path, cases: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The launch of 2 processes: three plans, then a dump killed."""
+    """The launch of 2 processes: three plans."""
     out = tmp_path_factory.mktemp("sharded")
-    assert launch(out, TWO) == -9  # the last case kills rank 0
+    assert launch(out, TWO) == 0
     return out
 
 
 @pytest.fixture(scope="module")
-def four(runs: Path) -> Path:
-    """Then the launch of 4 processes (in ``make test-slow``: four imports of Lightning on
-    two cores): the resume under another layout, then the 2 x 2 run."""
-    assert launch(runs, FOUR) == 0
-    return runs
+def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """In ``make test-slow`` (four imports of Lightning on two cores): a dump killed in a
+    launch of 2 processes, then the launch of 4: the resume under another layout, then
+    the 2 x 2 run."""
+    out = tmp_path_factory.mktemp("sharded-four")
+    assert launch(out, KILL) == -9  # the case kills rank 0
+    assert launch(out, FOUR) == 0
+    return out
 
 
 class Truths(dict):  # type: ignore[type-arg]

@@ -117,7 +117,7 @@ def test_a_trainer_dump_to_s3_reads_back_row_for_row(
     )
 
 
-@pytest.mark.soak  # the kill and resume on S3 are in `make test` (test_backends.py)
+@pytest.mark.soak  # with test_backends.py's kill on S3; on disk and in memory: `make test`
 def test_a_dump_to_s3_killed_with_sigkill_resumes_with_every_sample_once(
     server: S3Server, bucket: str, weights: Path
 ) -> None:

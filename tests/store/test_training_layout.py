@@ -12,12 +12,10 @@ Trainer runs (dp=1 x tp=2, then dp=2 x tp=1) are a scenario of the shared 2-proc
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader
@@ -33,11 +31,6 @@ from tests.ddp_scenarios import ranks_of
 KEY = "h/outputs"
 N, BATCH, SEED = 21, 4, 5  # 21 rows: uneven over 2 ranks and batches of 4
 LAYOUTS = {"tp": (1, 2), "dp": (2, 1)}  # (data_parallel_size, tensor_parallel_size)
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_store(tmp_path_factory.mktemp("layout") / "store")
 
 
 def build_store(path: Path) -> Path:
@@ -153,9 +146,11 @@ def main(out: Path) -> None:
     import torch.distributed as dist
 
     store = out / "store"
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+    if not dist.is_initialized():
+        raise RuntimeError("the training_layout scenario runs after one that made the group")
+    if dist.get_rank() == 0:
         build_store(store)
-    dist.barrier()  # the launch's process group, made by the scenarios before this one
+    dist.barrier()
     sequence = truth(store)
     facts: dict[str, Any] = {}
     for name, (dp, tp) in LAYOUTS.items():

@@ -350,7 +350,7 @@ LIMITED = [
     "1",
 ]
 TWO_PERSISTENT = ["--devices", "2", "--workers", "2", "--batch-size", "2000", "--persistent"]
-# (first run, kill after batch, resumed run): 10 %, 37 % and 90 % of an epoch. The first in
+# (first run, kill after batch, resumed run): 37 %, 10 % and 87 % of an epoch. The first in
 # `make test`; the other two, 2 processes resumed by 1 the other way round and a limited
 # fit, in `make test-slow` (CI runs both).
 KILLS = [

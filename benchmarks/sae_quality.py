@@ -89,24 +89,41 @@ def saelens_sae(architecture: str, seed: int, warmup: int, width: int) -> Any:
 
 
 def train_saelens(architecture: str, seed: int, rows: torch.Tensor, epochs: int) -> Any:
-    from sae_lens.config import SAETrainerConfig
-    from sae_lens.training.sae_trainer import SAETrainer
+    batches = permuted_batches(rows, seed, epochs)
+    sae, trainer = saelens_trainer(architecture, seed, batches)
+    step_all(trainer, batches)
+    return _as_users_load(sae)
 
-    steps = epochs * (rows.shape[0] // BATCH)
-    sae = saelens_sae(architecture, seed, warmup=steps // 10, width=rows.shape[1])
+
+def permuted_batches(rows: torch.Tensor, seed: int, epochs: int) -> list[torch.Tensor]:
+    """SAELens' batches: a permutation of the rows in memory per epoch, whole batches."""
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(epochs):
         order = torch.randperm(rows.shape[0], generator=generator)
         batches += [rows[order[i : i + BATCH]] for i in range(0, rows.shape[0] - BATCH + 1, BATCH)]
+    return batches
+
+
+def saelens_trainer(architecture: str, seed: int, batches: list[torch.Tensor]) -> tuple[Any, Any]:
+    """SAELens' training SAE and its ``SAETrainer`` over ``batches`` (not stepped yet)."""
+    from sae_lens.config import SAETrainerConfig
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    steps = len(batches)
+    sae = saelens_sae(architecture, seed, warmup=steps // 10, width=batches[0].shape[1])
     config = SAETrainerConfig(total_training_samples=steps * BATCH, lr=LR, lr_end=LR / 10,
                               train_batch_size_samples=BATCH,
                               dead_feature_window=WINDOW)  # fmt: skip
-    trainer = SAETrainer(config, sae, data_provider=iter(batches))
+    return sae, SAETrainer(config, sae, data_provider=iter(batches))
+
+
+def step_all(trainer: Any, batches: list[torch.Tensor]) -> None:
+    """``batches`` through a :func:`saelens_trainer`'s ``SAETrainer.step``, counting the
+    steps as SAELens' own loop does."""
     for batch in batches:
         trainer.step(batch)
         trainer.n_training_steps += 1
-    return _as_users_load(sae)
 
 
 def _as_users_load(sae: Any) -> Any:
@@ -127,18 +144,27 @@ def train_ours(
     # every row shuffled with every other, as SAELens' permutation of the rows in memory
     data = StoreDataModule(path, key, batch_size=BATCH, seed=seed, drop_last=True,
                            shuffle_rows=shape[0])  # fmt: skip
-    steps = epochs * (shape[0] // BATCH)
+    module = our_module(architecture, seed, shape[1], epochs * (shape[0] // BATCH), key=key)
+    fit_trainer(epochs).fit(module, datamodule=data)
+    return module.sae.eval()
+
+
+def our_module(
+    architecture: str, seed: int, width: int, steps: int, key: str | None = None
+) -> SAEModule:
+    """Our module with the settings SAELens' side gets (``steps``: the run's length)."""
     k = K if "topk" in architecture else None
-    module = SAEModule(
-        shape[1], LATENTS, architecture, k, key=key, lr=LR, seed=seed,  # type: ignore[arg-type]
+    return SAEModule(
+        width, LATENTS, architecture, k, key=key, lr=LR, seed=seed,  # type: ignore[arg-type]
         sparsity_coefficient=SPARSITY.get(architecture, 1.0), sparsity_warmup_steps=steps // 10,
         dead_after_tokens=WINDOW * BATCH,
     )  # fmt: skip
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)  # fmt: skip
-    trainer.fit(module, datamodule=data)
-    return module.sae.eval()
+
+
+def fit_trainer(epochs: int, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=callbacks)  # fmt: skip
 
 
 def held_out(encode: Any, decode: Any, x: torch.Tensor) -> dict[str, float]:
@@ -169,22 +195,9 @@ def same_batches(
 ) -> dict[str, dict[str, float]]:
     """The control: our module fed SAELens' own batches of seed 0 (its permutation), from
     SAELens' initial weights' seed: what is left of a gap between the tools is then theirs."""
-    generator = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(epochs):
-        order = torch.randperm(rows.shape[0], generator=generator)
-        batches += [rows[order[i : i + BATCH]] for i in range(0, rows.shape[0] - BATCH + 1, BATCH)]
-    steps = len(batches)
-    k = K if "topk" in architecture else None
-    module = SAEModule(
-        rows.shape[1], LATENTS, architecture, k, lr=LR, seed=0,  # type: ignore[arg-type]
-        sparsity_coefficient=SPARSITY.get(architecture, 1.0), sparsity_warmup_steps=steps // 10,
-        dead_after_tokens=WINDOW * BATCH,
-    )  # fmt: skip
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)  # fmt: skip
-    trainer.fit(module, DataLoader(batches, batch_size=None))  # type: ignore[arg-type]
+    batches = permuted_batches(rows, 0, epochs)
+    module = our_module(architecture, 0, rows.shape[1], len(batches))
+    fit_trainer(1).fit(module, DataLoader(batches, batch_size=None))  # type: ignore[arg-type]
     ours = module.sae.eval()
     theirs = train_saelens(architecture, 0, rows, epochs)
     return {

@@ -7,11 +7,11 @@
 takes the store out: both train on the same ``--steps`` batches of 1,024 random rows of
 width 128 held in memory (SAELens through ``SAETrainer.step``, ours through
 ``Trainer.fit`` over a ``DataLoader`` of those batches), 1,024 latents, the settings of
-``sae_quality.py``, our input normalisation off (``normalize_batches=0``: SAELens'
-trainer has none, so both train on every batch). Torch single-threaded; CPU seconds of
-the training itself (ours from ``on_train_start`` to ``on_train_end``), the tools
-alternating; printed per architecture as SAELens' seconds over ours (a throughput
-ratio), median (min to max) over the rounds.
+``sae_quality.py`` (our input normalisation off, its default: SAELens' trainer has none,
+so both train on every batch). Torch single-threaded; CPU seconds of the training itself
+(SAELens' steps; ours from ``on_train_start`` to ``on_train_end``), the tools alternating;
+printed per architecture as SAELens' seconds over ours (a throughput ratio), median (min
+to max) over the rounds.
 """
 
 from __future__ import annotations
@@ -27,25 +27,13 @@ import sae_quality as quality
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_iocatch import SAEModule
-
 WIDTH = 128
 
 
 def saelens_seconds(architecture: str, batches: list[torch.Tensor]) -> float:
-    from sae_lens.config import SAETrainerConfig
-    from sae_lens.training.sae_trainer import SAETrainer
-
-    steps = len(batches)
-    sae = quality.saelens_sae(architecture, 0, warmup=steps // 10, width=WIDTH)
-    config = SAETrainerConfig(total_training_samples=steps * quality.BATCH, lr=quality.LR,
-                              lr_end=quality.LR / 10, train_batch_size_samples=quality.BATCH,
-                              dead_feature_window=quality.WINDOW)  # fmt: skip
-    trainer = SAETrainer(config, sae, data_provider=iter(batches))
+    _, trainer = quality.saelens_trainer(architecture, 0, batches)
     start = time.process_time()
-    for batch in batches:
-        trainer.step(batch)
-        trainer.n_training_steps += 1
+    quality.step_all(trainer, batches)
     return time.process_time() - start
 
 
@@ -60,18 +48,9 @@ class _Timed(pl.Callback):
 
 
 def our_seconds(architecture: str, batches: list[torch.Tensor]) -> float:
-    steps = len(batches)
-    k = quality.K if "topk" in architecture else None
-    module = SAEModule(
-        WIDTH, quality.LATENTS, architecture, k, lr=quality.LR, seed=0,  # type: ignore[arg-type]
-        sparsity_coefficient=quality.SPARSITY.get(architecture, 1.0),
-        sparsity_warmup_steps=steps // 10, dead_after_tokens=quality.WINDOW * quality.BATCH,
-        normalize_batches=0,
-    )  # fmt: skip
+    module = quality.our_module(architecture, 0, WIDTH, len(batches))
     timed = _Timed()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, callbacks=[timed],
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)  # fmt: skip
+    trainer = quality.fit_trainer(1, callbacks=[timed])
     trainer.fit(module, DataLoader(batches, batch_size=None))  # type: ignore[arg-type]
     return timed.seconds
 

@@ -35,12 +35,12 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +68,17 @@ def clocks() -> tuple[float, float]:
 def child(variant: str, quick: bool, count: int, work: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
-    from compact_common import FULL, QUICK, dump, loader, quiet, sequences, texts, trained_lm
+    from compact_common import (
+        FULL,
+        QUICK,
+        dump,
+        loader,
+        quiet,
+        sequences,
+        store_bytes,
+        texts,
+        trained_lm,
+    )
 
     from lightning_iocatch import FeatureWriter, SAEModule, StoreDataModule, TokenRows
     from lightning_iocatch.lightning.live import LiveActivations
@@ -124,7 +134,7 @@ def child(variant: str, quick: bool, count: int, work: Path) -> dict[str, Any]:
     dump(lm, setup, ids, FeatureWriter(path, **options))
     end = clocks()
     found["dump"] = (end[0] - start[0], end[1] - start[1])
-    found["store_bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    found["store_bytes"] = store_bytes(path)
     data = StoreDataModule(path, setup.key, batch_size=batch, seed=0, dtype="float32")
     found["epochs"] = fit(data)
     found["peak_mib"] = peak_mib()
@@ -151,10 +161,6 @@ def run_child(variant: str, args: argparse.Namespace, work: Path) -> dict[str, A
     if done.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:

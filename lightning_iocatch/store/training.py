@@ -31,8 +31,10 @@ each epoch (:meth:`StoreRows.set_epoch`, as with a ``DistributedSampler``):
   with any number of processes, workers and any batch size, without reading what was
   consumed; later epochs are whole. The same seed, ``shuffle``, ``shuffle_rows`` and rows
   are required (checked).
-- **Memory.** Per worker: a batch, and each shard's rows mapped only while they are copied
-  (on object storage: ranged reads of the rows' bytes), whatever the size of the store.
+- **Memory.** Per worker: a batch, and the shards it reads mapped while the pages they may
+  hold resident fit in a window's stored bytes (the least recently read unmapped first:
+  :mod:`~lightning_iocatch.store.backends.local_mapping`; on object storage: ranged reads
+  of the rows' bytes), whatever the size of the store.
 - **Which rows.** One key: every row of it. Several keys: a sample lacking one of them is
   refused (``incomplete="error"``) or left out (``"skip"``). Keys stored once per batch or
   with rows of varying shape or dtype are refused; an index stored twice is refused, or
@@ -188,6 +190,9 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         self.rows = sum(block.rows for block in self._blocks)
         if self.shuffle:  # decoded blocks of a window kept: each decoded about once a window
             store._kept.resize(_window_bytes(self._columns, self.shuffle_rows))
+        # shards kept mapped while their pages resident fit in a window's stored bytes: a
+        # fault per row read at random costs more than the row (store/backends/local_mapping)
+        store.backend.keep_reads(self.shuffle_rows * (_row_bytes(self._columns) + 8))
         if not self.rows:
             raise StoreError(f"{self.path} holds no rows of {list(self.keys)}")
         self._digest = hashlib.blake2b(
@@ -391,6 +396,11 @@ def _window_bytes(columns: Mapping[str, Column], rows: int) -> int:
     """Decoded bytes of a shuffle window of ``rows`` rows of ``columns`` and of the blocks at
     its ends, within :data:`KEPT_BYTES` and :data:`KEPT_BYTES_MAX`."""
     tensors = sum(1 + c.scaled for c in columns.values()) + 1  # and the __index__
-    row = sum(c.stored.itemsize * math.prod(c.shape) + 4 * c.scaled for c in columns.values())
+    row = _row_bytes(columns)
     ends = 4 * tensors * max(BLOCK_BYTES, row)
     return min(KEPT_BYTES_MAX, max(KEPT_BYTES, (row + 8) * rows + ends))
+
+
+def _row_bytes(columns: Mapping[str, Column]) -> int:
+    """Stored bytes of a row of ``columns`` (a scaled key's scale included)."""
+    return sum(c.stored.itemsize * math.prod(c.shape) + 4 * c.scaled for c in columns.values())

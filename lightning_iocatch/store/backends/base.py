@@ -181,6 +181,10 @@ class StoreBackend(ABC):
         """Whether the local ``path`` is inside the store's place."""
         return False
 
+    def keep_reads(self, limit: int) -> None:  # noqa: B027 (optional: most keep nothing)
+        """Let the shards opened keep what their reads map between reads, within ``limit``
+        bytes of memory (a reader's shuffle window); by default they keep nothing."""
+
     # Writing
 
     @abstractmethod

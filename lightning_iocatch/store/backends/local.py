@@ -8,7 +8,8 @@ The POSIX protocol of :class:`LocalBackend`:
    point (see :mod:`lightning_iocatch.store.commits`). A shard without one does not exist.
 3. **Readers** read the ledgers (and the ``commits/`` of a store downloaded from object
    storage), check that each committed shard is there with its recorded size, and map the
-   shards' tensors with safetensors (``safe_open``) only while they are read.
+   shards' tensors with safetensors (``safe_open``) only while they are read; rows read
+   at random places come from mappings kept within a reader's budget (``local_mapping``).
 4. ``mode="resume"`` completes or cuts the ledgers' last lines and deletes the debris of a
    killed run (``.tmp`` files, shards without a record, temporary files of safetensors'
    own serializer carrying this store's mark); ``mode="overwrite"`` deletes the store's own
@@ -47,6 +48,7 @@ from lightning_iocatch.store.backends.local_files import (
     read_store_json,
     write_json_atomic,
 )
+from lightning_iocatch.store.backends.local_mapping import KeptMappings
 from lightning_iocatch.store.backends.local_records import (
     append_ledger,
     delete_commit_files,
@@ -57,7 +59,6 @@ from lightning_iocatch.store.backends.local_records import (
 )
 from lightning_iocatch.store.backends.safetensors_layout import (
     Span,
-    byte_rows,
     header_length,
     header_metadata,
     parse_header,
@@ -83,10 +84,12 @@ _SERIALIZER_MARK = b'"format":"lightning-iocatch-store/'
 class LocalShard(Shard):
     """A committed shard on disk: whole tensors memory-mapped by safetensors while they are
     kept; rows read with ``pread`` at the places its header (parsed once) gives, or
-    gathered from the file mapped for one call."""
+    gathered from the file mapped (kept mapped between reads by ``mappings``, shared by a
+    store's shards, within its budget: none by default)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mappings: KeptMappings | None = None) -> None:
         self.path, self.name = path, path.name
+        self.mappings = mappings if mappings is not None else KeptMappings()
         self._spans: dict[str, Span] | None = None
         self._metadata: dict[str, str] | None = None
 
@@ -149,26 +152,9 @@ class LocalShard(Shard):
 
     def gather_many(self, asked: Sequence[tuple[np.ndarray, int]]) -> list[np.ndarray]:
         """:meth:`gather` of each ``(offsets, width)`` of ``asked``, the file mapped once for
-        them all (a row's values and its scale: one mapping, not two)."""
-        out = [np.empty((len(offsets), width), dtype=np.uint8) for offsets, width in asked]
-        todo = [n for n, (offsets, width) in enumerate(asked) if width and len(offsets)]
-        if not todo:
-            return out
-        with self._file() as fd:
-            size = os.fstat(fd).st_size
-            for n in todo:
-                offsets, width = asked[n]
-                if offsets.min() < 0 or size < int(offsets.max()) + width:
-                    raise StoreError(f"shard {self} changed while it was read")
-            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
-                data = np.frombuffer(mapped, dtype=np.uint8)
-                try:
-                    for n in todo:
-                        offsets, width = asked[n]
-                        out[n] = byte_rows(data, width)[offsets]
-                finally:
-                    del data  # the mapping closes only once no array holds it
-        return out
+        them all (a row's values and its scale: one mapping, not two), and kept mapped
+        between reads within its store's budget (:mod:`.local_mapping`)."""
+        return self.mappings.gather(str(self.path), asked)
 
     def crc32(self) -> int:
         return file_crc32(self.path)
@@ -201,10 +187,16 @@ class LocalBackend(StoreBackend):
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.mappings = KeptMappings()  # shared by the shards it opens
 
     @property
     def path(self) -> Path:
         return self.root
+
+    def keep_reads(self, limit: int) -> None:
+        """Keep shards mapped between reads while they may hold at most ``limit`` bytes
+        resident (see :mod:`.local_mapping`)."""
+        self.mappings.resize(limit)
 
     def __str__(self) -> str:
         return str(self.root)
@@ -271,7 +263,7 @@ class LocalBackend(StoreBackend):
 
         check_committed_shards(committed.entries, size_of, lambda name: str(self.root / name))
         return {
-            entry.record.file: LocalShard(self.root / entry.record.file)
+            entry.record.file: LocalShard(self.root / entry.record.file, self.mappings)
             for entry in committed.entries
         }
 

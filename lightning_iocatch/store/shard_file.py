@@ -151,20 +151,36 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     """The values of ``stored`` (a :data:`SCALED_DTYPES` tensor) with their ``scale`` per
     row applied, computed in float32 and returned as the floating ``dtype``.
 
-    On the CPU each byte is widened by a look-up in a table of the 256 values of the dtype
-    (torch's own cast of each byte, NaNs included: the same bits), about four times faster
-    than torch's cast; the product with the scale is float32's, as on other devices.
+    On the CPU the bytes are widened two at a time by a look-up in a table of the 65,536
+    pairs of values of the dtype (torch's own cast of each byte, NaNs included: the same
+    bits), about eight times faster than torch's cast (one byte at a time where their
+    number is odd); the product with the scale is float32's, as on other devices.
     """
     shape = _rows_of(stored.shape)
     if stored.device.type == "cpu" and scale.device.type == "cpu":
-        codes = stored.reshape(shape).view(torch.uint8).numpy()
-        values = np.take(_float32_table(stored.dtype), codes)
+        codes = np.ascontiguousarray(stored.reshape(shape).view(torch.uint8).numpy())
+        if codes.size % 2:
+            values = np.take(_float32_table(stored.dtype), codes)
+        else:  # two codes a look-up: the table's entry is their two float32 values
+            pairs = np.take(_pair_table(stored.dtype), codes.reshape(-1).view(np.uint16))
+            values = pairs.view(np.float32).reshape(codes.shape)
         with np.errstate(all="ignore"):  # NaN, infinity and overflow as torch's, silently
             values *= scale.reshape(-1, 1).to(torch.float32).numpy()
         rows = torch.from_numpy(values)
     else:
         rows = stored.to(torch.float32).reshape(shape) * scale.reshape(-1)[:, None]
     return rows.reshape(stored.shape).to(dtype)
+
+
+@functools.cache
+def _pair_table(dtype: torch.dtype) -> np.ndarray:
+    """For each two bytes read as one native ``uint16``, their two float32 values of the
+    8-bit float ``dtype`` in memory order, as one ``uint64`` (a table of 512 KiB)."""
+    single = _float32_table(dtype)
+    pair = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)  # memory order
+    table = np.take(single, pair).view(np.uint64).reshape(-1)
+    table.flags.writeable = False
+    return table
 
 
 @functools.cache

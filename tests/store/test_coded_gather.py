@@ -268,6 +268,11 @@ def test_dequantize_is_each_codes_value_times_its_rows_scale(dtype: torch.dtype)
     expected = torch.from_numpy(values[1:3].T * scales.numpy()[:, None]).bfloat16()
     assert torch.equal(half.isnan(), expected.isnan())
     assert torch.equal(half.nan_to_num(), expected.nan_to_num())
+    odd = codes.reshape(-1)[:255].reshape(5, 51).view(dtype)  # an odd number of codes
+    odd_scale = torch.tensor([1.0, 0.3, 2.5e-3, 7e30, 3.0])
+    reference = odd.to(torch.float32) * odd_scale[:, None]
+    read_odd = dequantize(odd, odd_scale, torch.float32)
+    assert np.array_equal(read_odd.numpy().view(np.uint32), reference.numpy().view(np.uint32))
 
 
 def test_dropped_blocks_memory_is_decoded_into_again_never_one_still_held(

@@ -15,6 +15,9 @@ Rows:
 - ``armed_extra_us``: the armed catcher's fixed cost, microseconds a forward: (the armed
   median - 1) x the plain forward's time. ``linear8_200_layers`` (200 ``Linear(8, 8)``
   on 64 rows, a forward of about 1 ms) is where it shows: each layer's work is tiny.
+- ``armed_fixed_us`` (with ``--linear8``): the same cost measured where the forward is
+  too short for machine noise to hide it: 3 ``Linear(8, 8)`` (a forward of about 30 µs),
+  armed minus plain, microseconds a forward, over interleaved rounds of 20,000 forwards.
 - ``early_exit_*``: a session with ``early_exit=True`` on block 0, the middle block and
   the last block; ``share_run`` is the time of the same model with the later blocks and
   the final layer norm removed, as a fraction of the full forward (the ideal ratio).
@@ -24,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
 import torch
-from common import gpt2, interleaved_ratios, run_facts
+from common import gpt2, interleaved_ratios, run_facts, spread
 from torch import nn
 from transformers import GPT2Model
 
@@ -76,6 +80,28 @@ def idle_and_armed(model: nn.Module, x: torch.Tensor, middle: str, repeats: int)
         ratios = interleaved_ratios(variants, repeats, around=around, min_seconds=0.25)
     extra = (ratios["armed"]["median"] - 1) * ratios["baseline_s"] * 1e6
     return {"modules": sum(1 for _ in model.modules()), **ratios, "armed_extra_us": round(extra, 1)}
+
+
+def armed_fixed_us(rounds: int) -> dict:
+    """Armed minus plain on 3 ``Linear(8, 8)``, µs a forward (median, min, max of rounds)."""
+    model, x = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)]), torch.randn(64, 8)
+    session = ModelIOCatcher(model, "cpu")(outputs=["1"])
+    calls, differences = 20_000, []
+
+    def timed(forward: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            forward()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    with torch.inference_mode(), session:
+        for round_ in range(rounds + 1):
+            plain = timed(partial(model, x)) if round_ % 2 else 0.0
+            armed = timed(lambda: (model(x), session.take()))
+            plain = plain or timed(partial(model, x))
+            if round_:
+                differences.append(armed - plain)
+    return spread(differences)
 
 
 def mlp(depth: int, width: int) -> nn.Sequential:
@@ -153,6 +179,7 @@ def main() -> None:
     linear8 = nn.Sequential(*[nn.Linear(8, 8) for _ in range(200)])
     small = {"linear8_200_layers": idle_and_armed(linear8, torch.randn(64, 8), "100", repeats)}
     if args.linear8:
+        small["armed_fixed_us"] = armed_fixed_us(max(5, repeats // 4))
         print(json.dumps({**run_facts(repeats=repeats), **small}, indent=2))
         return
 

@@ -23,7 +23,9 @@ eval mode, the same): MSE (per row, summed over inputs), explained variance, L0 
 of latents that never fire. Printed per architecture: each figure's mean and range over
 the seeds for both tools, the control (our module on SAELens' own batches and initial
 weights of seed 0: the same figures, which leaves the data order as the tools' only
-difference), and the training throughput (rows per CPU-second of the
+difference), SAELens fed our order of each seed (from its own initial weights of that
+seed, which are ours: the largest difference of each figure from ours, 0 when the tools
+differ only in the order), and the training throughput (rows per CPU-second of the
 process, rows per second) with its ratio per seed (interleaved: the tools alternate).
 """
 
@@ -47,6 +49,7 @@ from torch.utils.data import DataLoader
 from lightning_iocatch import StoreDataModule
 from lightning_iocatch.lightning.sae import SAEModule
 from lightning_iocatch.sae import SparseAutoencoder
+from lightning_iocatch.store.training import StoreRows
 
 HERE = Path(__file__).resolve().parent
 LATENTS, K, BATCH, LR = 1024, 32, 1024, 1e-3  # --quick: 256 latents, k 8, batches of 128
@@ -206,6 +209,36 @@ def same_batches(
     }
 
 
+def saelens_on_our_order(
+    architecture: str, seed: int, path: Path, key: str, rows: torch.Tensor, epochs: int
+) -> Any:
+    """SAELens' trainer (initial weights of ``seed``) fed the batches our run of ``seed``
+    reads (``StoreRows`` as ``train_ours``'s data module reads it, epoch by epoch)."""
+    data = StoreRows(path, key, batch_size=BATCH, seed=seed, drop_last=True,
+                     shuffle_rows=rows.shape[0])  # fmt: skip
+    batches = []
+    for epoch in range(epochs):
+        data.set_epoch(epoch)
+        batches += [batch[key] for batch in data]
+    sae, trainer = saelens_trainer(architecture, seed, batches)
+    step_all(trainer, batches)
+    return _as_users_load(sae)
+
+
+def order_likeness(path: Path, key: str, rows: torch.Tensor, epochs: int) -> dict[str, float]:
+    """Whether our reader's order of seed 0 is shuffled as a permutation is: the mean
+    number of distinct sequences in a batch, ours and SAELens' (``permuted_batches``)."""
+    data = StoreRows(path, key, batch_size=BATCH, seed=0, drop_last=True,
+                     shuffle_rows=rows.shape[0], with_indices=True)  # fmt: skip
+    ours = []
+    for epoch in range(epochs):
+        data.set_epoch(epoch)
+        ours += [len(batch["index"].unique()) for batch in data]
+    samples = torch.cat([batch["index"] for batch in data])[:, None]  # each row's sequence
+    theirs = [len(batch.unique()) for batch in permuted_batches(samples, 0, epochs)]
+    return {"ours": statistics.fmean(ours), "saelens": statistics.fmean(theirs)}
+
+
 def _shown(figure: dict[str, float]) -> str:
     return f"{figure['mean']:.4g} [{figure['min']:.4g}, {figure['max']:.4g}]"
 
@@ -229,9 +262,19 @@ def main() -> None:
     report: dict[str, Any] = {
         "sae_lens": sae_lens.__version__, "torch": torch.__version__,
         "rows": rows.shape[0], "held_out_rows": evaluation.shape[0],
+        "distinct_sequences_a_batch": order_likeness(path, setup.key, rows, args.epochs),
     }  # fmt: skip
+    print(
+        f"distinct sequences a batch, ours / SAELens' permutation: "
+        f"{report['distinct_sequences_a_batch']}",
+        flush=True,
+    )
     for architecture in args.only.split(","):
-        found: dict[str, dict[str, list[float]]] = {"saelens": {}, "ours": {}}
+        found: dict[str, dict[str, list[float]]] = {
+            "saelens": {},
+            "ours": {},
+            "saelens_our_order": {},
+        }
         for seed in range(args.seeds):
             runs = {
                 "saelens": functools.partial(train_saelens, architecture, seed, rows, args.epochs),
@@ -246,6 +289,11 @@ def main() -> None:
                 figures |= {"rows_per_cpu_s": trained / cpu, "rows_per_s": trained / wall}
                 for name, value in figures.items():
                     found[tool].setdefault(name, []).append(value)
+            # the tools apart from the order: SAELens fed the rows in our order of this seed
+            swapped = saelens_on_our_order(architecture, seed, path, setup.key, rows, args.epochs)
+            figures = held_out(swapped.encode, swapped.decode, evaluation)
+            for name, value in figures.items():
+                found["saelens_our_order"].setdefault(name, []).append(value)
         pairs = zip(
             found["ours"]["rows_per_cpu_s"], found["saelens"]["rows_per_cpu_s"], strict=True
         )
@@ -265,6 +313,15 @@ def main() -> None:
         print(" | ".join(line), flush=True)
         print(f"{architecture:9} | seed 0 on SAELens' own batches: ours {control['ours']}, "
               f"SAELens {control['saelens']}", flush=True)  # fmt: skip
+        apart = {
+            name: max(abs(a - b) for a, b in zip(found["ours"][name],
+                                                 found["saelens_our_order"][name], strict=True))
+            for name in ("mse", "explained_variance", "l0", "dead_fraction")
+        }  # fmt: skip
+        report[architecture]["ours_vs_saelens_on_our_order_max_abs"] = apart
+        print(f"{architecture:9} | SAELens on our orders: mse "
+              f"{_shown(report[architecture]['saelens_our_order']['mse'])}; ours minus it, "
+              f"largest over seeds: {apart}", flush=True)  # fmt: skip
     print(json.dumps(report, indent=1))
 
 

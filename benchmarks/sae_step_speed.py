@@ -1,6 +1,7 @@
 """The SAE's training step alone, ours against SAELens': the same batches, in memory.
 
     ../.venv-bench/bin/python sae_step_speed.py [--rounds 5] [--steps 96]   # in benchmarks/
+    ../.venv-bench/bin/python sae_step_speed.py --from-store [--rounds 7] [--steps 128]
 
 ``sae_quality.py`` compares the tools as users run them: ours reads the dump through
 ``StoreDataModule``, SAELens' batches are a permutation of rows in memory. This script
@@ -12,6 +13,11 @@ so both train on every batch). Torch single-threaded; CPU seconds of the trainin
 (SAELens' steps; ours from ``on_train_start`` to ``on_train_end``), the tools alternating;
 printed per architecture as SAELens' seconds over ours (a throughput ratio), median (min
 to max) over the rounds.
+
+``--from-store``: the same, with ours as users run it, reading ``sae_quality.py``'s dump
+through ``StoreDataModule`` (every row shuffled with every other, each epoch's rows read
+from the shards inside the timing), and SAELens on ``--steps`` batches of a permutation
+of the same rows in memory: the quality runs' throughput comparison, in more rounds.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ from typing import Any
 import lightning.pytorch as pl
 import sae_quality as quality
 import torch
+from compact_common import FULL
 from torch.utils.data import DataLoader
+
+from lightning_iocatch import StoreDataModule
 
 WIDTH = 128
 
@@ -55,24 +64,51 @@ def our_seconds(architecture: str, batches: list[torch.Tensor]) -> float:
     return timed.seconds
 
 
+def our_seconds_from_store(architecture: str, batches: list[torch.Tensor]) -> float:
+    path, key, rows = _STORE["path"], _STORE["key"], _STORE["rows"]
+    data = StoreDataModule(path, key, batch_size=quality.BATCH, seed=0, drop_last=True,
+                           shuffle_rows=rows)  # fmt: skip
+    module = quality.our_module(architecture, 0, WIDTH, len(batches), key=key)
+    timed = _Timed()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=len(batches), logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[timed])  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    return timed.seconds
+
+
+_STORE: dict[str, Any] = {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=96)
     parser.add_argument("--only", default=",".join(quality.ARCHITECTURES))
+    parser.add_argument("--from-store", action="store_true", help="ours reading the dump")
     args = parser.parse_args()
     quality.quiet()
     torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(0)
-    batches = [torch.randn(quality.BATCH, WIDTH, generator=generator) for _ in range(args.steps)]
-    report: dict[str, Any] = {"torch": torch.__version__, "steps": args.steps}
+    ours = our_seconds
+    if args.from_store:
+        path, rows, _ = quality.rows_store(FULL, quality.HERE / ".stores")
+        _STORE.update(path=path, key=FULL.key, rows=rows.shape[0])
+        batches = quality.permuted_batches(rows, 0, 1)[: args.steps]
+        ours = our_seconds_from_store
+    else:
+        generator = torch.Generator().manual_seed(0)
+        batches = [torch.randn(quality.BATCH, WIDTH, generator=generator)
+                   for _ in range(args.steps)]  # fmt: skip
+    report: dict[str, Any] = {
+        "torch": torch.__version__, "steps": args.steps, "from_store": args.from_store
+    }  # fmt: skip
     for architecture in args.only.split(","):
         ratios = []
         for round_ in range(args.rounds):
-            order = [saelens_seconds, our_seconds]
+            order = [saelens_seconds, ours]
             seconds = {run.__name__: run(architecture, batches) for run in
                        (order if round_ % 2 else order[::-1])}  # fmt: skip
-            ratios.append(seconds["saelens_seconds"] / seconds["our_seconds"])
+            ratios.append(seconds["saelens_seconds"] / seconds[ours.__name__])
         report[architecture] = {
             "throughput_ratio": round(statistics.median(ratios), 3),
             "min": round(min(ratios), 3),

@@ -31,10 +31,12 @@ each epoch (:meth:`StoreRows.set_epoch`, as with a ``DistributedSampler``):
   with any number of processes, workers and any batch size, without reading what was
   consumed; later epochs are whole. The same seed, ``shuffle``, ``shuffle_rows`` and rows
   are required (checked).
-- **Memory.** Per worker: a batch, and the shards it reads mapped while the pages they may
-  hold resident fit in a window's stored bytes (the least recently read unmapped first:
-  :mod:`~lightning_iocatch.store.backends.local_mapping`; on object storage: ranged reads
-  of the rows' bytes), whatever the size of the store.
+- **Memory.** Per worker: a batch, and, shuffled, the shards its window reads kept mapped
+  while their files add up to at most twice the window's bytes (the least recently read
+  unmapped first, all at the epoch's end:
+  :mod:`~lightning_iocatch.store.backends.local_mapping`; otherwise each batch's rows are
+  mapped only while they are copied; on object storage: ranged reads of the rows' bytes),
+  whatever the size of the store.
 - **Which rows.** One key: every row of it. Several keys: a sample lacking one of them is
   refused (``incomplete="error"``) or left out (``"skip"``). Keys stored once per batch or
   with rows of varying shape or dtype are refused; an index stored twice is refused, or
@@ -123,10 +125,11 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         shuffle: draw the order from ``(seed, epoch)``; ``False`` reads in commit order.
         seed: the seed of the order.
         shuffle_rows: rows are shuffled within windows of this many rows of the blocks'
-            order (65,536 by default); unused without ``shuffle``. It shapes the order, and
-            on a store written with a codec the memory: each worker keeps a window's
-            decoded blocks (at most 1 GiB, ``KEPT_BYTES_MAX``; a wider window decodes
-            blocks more than once: pass fewer rows).
+            order (65,536 by default); unused without ``shuffle``. It shapes the order and
+            the memory: each worker keeps the shards a window reads mapped while their
+            files fit in twice its bytes (faster random reads), and on a store written
+            with a codec a window's decoded blocks (at most 1 GiB, ``KEPT_BYTES_MAX``; a
+            wider window decodes blocks more than once: pass fewer rows).
         drop_last: yield only full batches (rows left out change with the epoch).
         with_indices: add each row's dataset index under ``"index"``.
         dtype: cast floating keys to this floating dtype (default: as stored; a key stored
@@ -190,9 +193,12 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         self.rows = sum(block.rows for block in self._blocks)
         if self.shuffle:  # decoded blocks of a window kept: each decoded about once a window
             store._kept.resize(_window_bytes(self._columns, self.shuffle_rows))
-        # shards kept mapped while their pages resident fit in a window's stored bytes: a
-        # fault per row read at random costs more than the row (store/backends/local_mapping)
-        store.backend.keep_reads(self.shuffle_rows * (_row_bytes(self._columns) + 8))
+        # rows read at random from a shard mapped anew cost a page fault each, more than
+        # the row: the shards a window reads stay mapped while their files fit in twice its
+        # bytes, let go at the epoch's end (store/backends/local_mapping.py)
+        self._backend = store.backend
+        if self.shuffle:
+            self._backend.keep_reads(2 * self.shuffle_rows * _row_bytes(self._columns))
         if not self.rows:
             raise StoreError(f"{self.path} holds no rows of {list(self.keys)}")
         self._digest = hashlib.blake2b(
@@ -368,9 +374,12 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
         )
         stored_names = {key: INDEX_KEY if key == INDEX else key for key in self._columns}
         gather = RowGather(self._blocks, self._columns, stored_names)
-        for step in range(worker, len(plan), workers):
-            first, rows = plan.share(step, rank)
-            yield gather.read(*sequence.locate(first, first + rows))
+        try:
+            for step in range(worker, len(plan), workers):
+                first, rows = plan.share(step, rank)
+                yield gather.read(*sequence.locate(first, first + rows))
+        finally:  # the epoch's shards unmapped (a store deleted after it frees its space)
+            self._backend.release_reads()
 
     def __repr__(self) -> str:
         return f"StoreRows({str(self.path)!r}, keys={list(self.keys)}, rows={self.rows})"

@@ -147,7 +147,7 @@ class LocalShard(Shard):
         return {n: to_tensor(raw, span) for n, raw, span in zip(names, data, spans, strict=True)}
 
     def gather(self, offsets: np.ndarray, width: int) -> np.ndarray:
-        """The bytes, copied out of the file mapped for this call only."""
+        """The bytes, copied out of the file mapped (see :meth:`gather_many`)."""
         return self.gather_many([(offsets, width)])[0]
 
     def gather_many(self, asked: Sequence[tuple[np.ndarray, int]]) -> list[np.ndarray]:
@@ -194,9 +194,12 @@ class LocalBackend(StoreBackend):
         return self.root
 
     def keep_reads(self, limit: int) -> None:
-        """Keep shards mapped between reads while they may hold at most ``limit`` bytes
-        resident (see :mod:`.local_mapping`)."""
+        """Keep shards mapped between reads while their files add up to at most ``limit``
+        bytes (see :mod:`.local_mapping`)."""
         self.mappings.resize(limit)
+
+    def release_reads(self) -> None:
+        self.mappings.release()
 
     def __str__(self) -> str:
         return str(self.root)

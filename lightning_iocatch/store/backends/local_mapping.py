@@ -1,19 +1,21 @@
 """Rows of local shards gathered from memory maps kept between reads, within a budget of
-resident bytes.
+the files' bytes.
 
 A read of rows at random places of a file maps it, copies the rows and unmaps it; each
 page it touches is a page fault, and a fault costs more than copying a row (about 2.5 µs
 a 512-byte row from the page cache, measured on this project's CI machine, against 0.2
-µs from a mapping kept). :class:`KeptMappings` keeps a store's shards mapped between
-reads, the least recently used unmapped once the pages they may hold resident exceed
-``limit`` bytes (a reader's shuffle window: :class:`~lightning_iocatch.store.training.
-StoreRows` sets it), so the memory of a read stays bounded by the window, not the store.
-With ``limit`` 0 (the default) nothing is kept: each read maps the file for itself alone.
+to 0.7 µs from a mapping kept). :class:`KeptMappings` keeps a reader's shards mapped
+between reads while their files' sizes add up to at most ``limit`` bytes (all the pages
+a mapping can hold resident), the least recently read unmapped first, and at most
+``most`` files (each mapping holds a file descriptor); a file larger than ``limit`` alone
+is mapped for each read. :class:`~lightning_iocatch.store.training.StoreRows` sets the
+limit to twice its shuffle window's bytes and lets go of every mapping at an epoch's
+end. With ``limit`` 0 (the default) nothing is kept: each read maps the file for itself
+alone.
 
-Resident pages are counted in the kernel's fault-around granules (64 KiB: a fault maps
-the cached pages around it too); a shard whose granules alone pass the limit is unmapped
-after each read. A file replaced or resized since it was mapped (another inode, size or
-modification time) is mapped again; rows past its end are refused.
+A file replaced or changed since it was mapped (another device, inode, size or
+modification time, as ``os.stat`` of its path says before each read) is mapped anew;
+rows past its end are refused.
 
 Examples:
     >>> import os, tempfile
@@ -26,6 +28,9 @@ Examples:
     [[8, 9, 10, 11], [0, 1, 2, 3]]
     >>> kept.mapped
     1
+    >>> kept.release()
+    >>> kept.mapped
+    0
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,43 +48,36 @@ import numpy as np
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.safetensors_layout import byte_rows
 
-__all__ = ["GRANULE", "KeptMappings"]
+__all__ = ["KeptMappings"]
 
-GRANULE = 64 << 10
-"""Bytes a page fault may make resident (Linux' default ``fault_around_bytes``)."""
+_MOST = 64
+"""Files kept mapped at most (each holds a file descriptor)."""
+
+Identity = tuple[int, int, int, int]  # device, inode, size, modification time (ns)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Mapping:
-    identity: tuple[int, int, int, int]  # device, inode, size, modification time
-    mapped: mmap.mmap | None
-    data: np.ndarray
-    touched: np.ndarray = field(init=False)  # per granule: whether a read touched it
-
-    def __post_init__(self) -> None:
-        self.touched = np.zeros(-(-len(self.data) // GRANULE), dtype=bool)
-
-    @property
-    def resident(self) -> int:
-        """Bytes of the granules touched (an upper bound of the pages it holds)."""
-        return int(self.touched.sum()) * GRANULE
+    identity: Identity
+    data: np.ndarray  # the file's bytes, a view of its mapping (which it keeps alive)
 
 
 class KeptMappings:
-    """Files mapped for reading, kept between reads within ``limit`` resident bytes (see
-    the module docstring); safe across threads. Pickled empty (each process maps its
-    own)."""
+    """Files mapped for reading, kept between reads within ``limit`` bytes of files and
+    ``most`` files (see the module docstring); safe across threads. Pickled empty (each
+    process maps its own)."""
 
-    def __init__(self, limit: int = 0) -> None:
-        self.limit = limit
+    def __init__(self, limit: int = 0, most: int = _MOST) -> None:
+        self.limit, self.most = limit, most
         self._files: OrderedDict[str, _Mapping] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"limit": self.limit}
+        return {"limit": self.limit, "most": self.most}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["limit"])  # type: ignore[misc]
+        self.__init__(state["limit"], state["most"])  # type: ignore[misc]
 
     @property
     def mapped(self) -> int:
@@ -87,80 +85,98 @@ class KeptMappings:
         return len(self._files)
 
     def resize(self, limit: int) -> None:
-        """Keep at most ``limit`` resident bytes mapped from now on."""
+        """Keep at most ``limit`` bytes of files mapped from now on."""
         with self._lock:
             self.limit = limit
             self._drop()
 
+    def release(self) -> None:
+        """Unmap every file kept (each once the reads holding it are done)."""
+        with self._lock:
+            self._files.clear()
+            self._bytes = 0
+
     def gather(self, path: str, asked: Sequence[tuple[np.ndarray, int]]) -> list[np.ndarray]:
         """For each ``(offsets, width)``: the ``width`` bytes at each offset of the file
         ``path``, as ``(len(offsets), width)`` uint8 rows in the order asked."""
-        out = [np.empty((len(offsets), width), dtype=np.uint8) for offsets, width in asked]
-        todo = [n for n, (offsets, width) in enumerate(asked) if width and len(offsets)]
-        if not todo:
-            return out
-        mapping = self._mapping(path)
-        size = mapping.identity[2]
-        for n in todo:
-            offsets, width = asked[n]
-            if offsets.min() < 0 or size < int(offsets.max()) + width:
-                raise StoreError(f"shard {path} changed while it was read")
-        for n in todo:
-            offsets, width = asked[n]
-            # in file order: a fault maps the pages around it, which the next rows use
-            order = np.argsort(offsets, kind="stable")
-            out[n][order] = byte_rows(mapping.data, width)[offsets[order]]
-        with self._lock:
-            for n in todo:
-                offsets, width = asked[n]
-                first, last = offsets // GRANULE, (offsets + width - 1) // GRANULE
-                mapping.touched[first] = True
-                mapping.touched[last] = True  # a row spans at most two granules ...
-                for between in np.flatnonzero(last - first > 1).tolist():  # ... or more
-                    mapping.touched[first[between] : last[between] + 1] = True
-            if self._files.get(path) is mapping:
-                self._drop()
-        return out
+        if not any(width and len(offsets) for offsets, width in asked):
+            return [np.empty((len(offsets), width), dtype=np.uint8) for offsets, width in asked]
+        if self.limit <= 0:  # nothing kept: mapped for this call only
+            with _opened(path) as fd:
+                return _rows(path, _mapped(path, fd), asked)
+        return _rows(path, self._mapping(path).data, asked)
 
     def _mapping(self, path: str) -> _Mapping:
-        """``path`` mapped: the mapping kept if the file is the one mapped, else anew."""
+        """``path`` mapped: the mapping kept if the file is the one mapped, else anew (kept
+        if it fits)."""
         try:
-            stat = os.stat(path)
+            now = _identity(os.stat(path))
         except OSError as error:
             raise StoreError(f"cannot read shard {path}: {error}") from error
-        identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
         with self._lock:
             kept = self._files.get(path)
-            if kept is not None and kept.identity == identity:
+            if kept is not None and kept.identity == now:
                 self._files.move_to_end(path)
                 return kept
-        mapping = _map(path, identity)
+        with _opened(path) as fd:
+            mapping = _Mapping(_identity(os.fstat(fd)), _mapped(path, fd))
         with self._lock:
-            self._files[path] = mapping
-            self._files.move_to_end(path)
+            held = self._files.pop(path, None)
+            if held is not None:
+                self._bytes -= len(held.data)
+            if len(mapping.data) <= self.limit:
+                self._files[path] = mapping
+                self._bytes += len(mapping.data)
+                self._drop()
         return mapping
 
     def _drop(self) -> None:
-        """Unmap the least recently used files while those kept hold more than ``limit``
-        resident bytes (the last used too, if it alone does: mapped anew on its next read)."""
-        total = sum(mapping.resident for mapping in self._files.values())
-        while self._files and total > self.limit:
+        """Unmap the least recently read files while more than ``limit`` bytes or ``most``
+        files are kept (each unmapped once the reads holding it are done)."""
+        while self._files and (self._bytes > self.limit or len(self._files) > self.most):
             _, mapping = self._files.popitem(last=False)
-            total -= mapping.resident  # unmapped once the reads holding it are done
+            self._bytes -= len(mapping.data)
 
 
-def _map(path: str, identity: tuple[int, int, int, int]) -> _Mapping:
-    """The file ``path`` mapped read-only (its size as ``identity`` says, checked)."""
+def _identity(stat: os.stat_result) -> Identity:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+class _opened:
+    """``path`` opened for reading (a :class:`StoreError` where it cannot be)."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as error:
+            raise StoreError(f"cannot read shard {path}: {error}") from error
+
+    def __enter__(self) -> int:
+        return self.fd
+
+    def __exit__(self, *_: object) -> None:
+        os.close(self.fd)
+
+
+def _mapped(path: str, fd: int) -> np.ndarray:
+    """The bytes of the open file ``fd``, mapped read-only (empty: nothing to map)."""
+    if not os.fstat(fd).st_size:
+        return np.empty(0, dtype=np.uint8)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as error:
-        raise StoreError(f"cannot read shard {path}: {error}") from error
-    try:
-        if os.fstat(fd).st_size != identity[2]:
-            raise StoreError(f"shard {path} changed while it was read")
-        if not identity[2]:
-            return _Mapping(identity, None, np.empty(0, dtype=np.uint8))
         mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-    return _Mapping(identity, mapped, np.frombuffer(mapped, dtype=np.uint8))
+    except OSError as error:
+        raise StoreError(f"cannot map shard {path}: {error}") from error
+    return np.frombuffer(mapped, dtype=np.uint8)  # holds the mapping while it lives
+
+
+def _rows(path: str, data: np.ndarray, asked: Sequence[tuple[np.ndarray, int]]) -> list[np.ndarray]:
+    """The rows ``asked`` of the file's bytes ``data`` (copies)."""
+    for offsets, width in asked:
+        if width and len(offsets) and (offsets.min() < 0 or len(data) < int(offsets.max()) + width):
+            raise StoreError(f"shard {path} changed while it was read")
+    return [
+        byte_rows(data, width)[offsets]
+        if width and len(offsets)
+        else np.empty((len(offsets), width), dtype=np.uint8)
+        for offsets, width in asked
+    ]

@@ -33,7 +33,7 @@ each epoch (:meth:`StoreRows.set_epoch`, as with a ``DistributedSampler``):
   are required (checked).
 - **Memory.** Per worker: a batch, and, shuffled, the shards its window reads kept mapped
   while their files add up to at most twice the window's bytes (the least recently read
-  unmapped first, all at the epoch's end:
+  unmapped first, all when the epoch's iterator ends or is closed:
   :mod:`~lightning_iocatch.store.backends.local_mapping`; otherwise each batch's rows are
   mapped only while they are copied; on object storage: ranged reads of the rows' bytes),
   whatever the size of the store.

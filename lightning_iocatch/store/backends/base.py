@@ -183,7 +183,8 @@ class StoreBackend(ABC):
 
     def keep_reads(self, limit: int) -> None:  # noqa: B027 (optional: most keep nothing)
         """Let the shards opened keep what their reads map between reads, within ``limit``
-        bytes of files (a reader's shuffle window); by default they keep nothing."""
+        bytes of files (twice a reader's shuffle window, when shuffled); by default they
+        keep nothing."""
 
     def release_reads(self) -> None:  # noqa: B027 (optional: most keep nothing)
         """Let go of what the shards' reads kept (an epoch's end)."""

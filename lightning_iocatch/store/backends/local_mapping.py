@@ -9,9 +9,9 @@ between reads while their files' sizes add up to at most ``limit`` bytes (all th
 a mapping can hold resident), the least recently read unmapped first, and at most
 ``most`` files (each mapping holds a file descriptor); a file larger than ``limit`` alone
 is mapped for each read. :class:`~lightning_iocatch.store.training.StoreRows` sets the
-limit to twice its shuffle window's bytes and lets go of every mapping at an epoch's
-end. With ``limit`` 0 (the default) nothing is kept: each read maps the file for itself
-alone.
+limit to twice its shuffle window's bytes and lets go of every mapping when an epoch's
+iterator ends or is closed. With ``limit`` 0 (the default) nothing is kept: each read
+maps the file for itself alone.
 
 A file replaced or changed since it was mapped (another device, inode, size or
 modification time, as ``os.stat`` of its path says before each read) is mapped anew;
@@ -164,7 +164,7 @@ def _mapped(path: str, fd: int) -> np.ndarray:
         return np.empty(0, dtype=np.uint8)
     try:
         mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: cut to nothing since the fstat
         raise StoreError(f"cannot map shard {path}: {error}") from error
     return np.frombuffer(mapped, dtype=np.uint8)  # holds the mapping while it lives
 

@@ -191,13 +191,12 @@ class StoreRows(IterableDataset[dict[str, torch.Tensor]]):
             self._columns[INDEX] = Column((), torch.int64, torch.int64)
         self._blocks = layout(store, self.keys, incomplete)
         self.rows = sum(block.rows for block in self._blocks)
+        self._backend = store.backend
         if self.shuffle:  # decoded blocks of a window kept: each decoded about once a window
             store._kept.resize(_window_bytes(self._columns, self.shuffle_rows))
-        # rows read at random from a shard mapped anew cost a page fault each, more than
-        # the row: the shards a window reads stay mapped while their files fit in twice its
-        # bytes, let go at the epoch's end (store/backends/local_mapping.py)
-        self._backend = store.backend
-        if self.shuffle:
+            # rows read at random from a shard mapped anew cost a page fault each, more than
+            # the row: the shards a window reads stay mapped while their files fit in twice
+            # its bytes, let go at the epoch's end (store/backends/local_mapping.py)
             self._backend.keep_reads(2 * self.shuffle_rows * _row_bytes(self._columns))
         if not self.rows:
             raise StoreError(f"{self.path} holds no rows of {list(self.keys)}")

@@ -25,7 +25,7 @@ import contextlib
 import mmap
 import os
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from lightning_iocatch.store.backends.local_files import (
     read_store_json,
     write_json_atomic,
 )
-from lightning_iocatch.store.backends.local_mapping import KeptMappings
+from lightning_iocatch.store.backends.local_mapping import KeptMappings, opened_shard
 from lightning_iocatch.store.backends.local_records import (
     append_ledger,
     delete_commit_files,
@@ -167,16 +167,8 @@ class LocalShard(Shard):
         except SafetensorError as error:
             raise StoreError(f"shard {self.path} is corrupted: {error}") from error
 
-    @contextlib.contextmanager
-    def _file(self) -> Iterator[int]:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as error:
-            raise StoreError(f"cannot read shard {self.path}: {error}") from error
-        try:
-            yield fd
-        finally:
-            os.close(fd)
+    def _file(self) -> contextlib.AbstractContextManager[int]:
+        return opened_shard(self.path)
 
 
 class LocalBackend(StoreBackend):

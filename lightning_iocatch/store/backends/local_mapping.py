@@ -35,11 +35,12 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ import numpy as np
 from lightning_iocatch.errors import StoreError
 from lightning_iocatch.store.backends.safetensors_layout import byte_rows
 
-__all__ = ["KeptMappings"]
+__all__ = ["KeptMappings", "opened_shard"]
 
 _MOST = 64
 """Files kept mapped at most (each holds a file descriptor)."""
@@ -102,7 +103,7 @@ class KeptMappings:
         if not any(width and len(offsets) for offsets, width in asked):
             return [np.empty((len(offsets), width), dtype=np.uint8) for offsets, width in asked]
         if self.limit <= 0:  # nothing kept: mapped for this call only
-            with _opened(path) as fd:
+            with opened_shard(path) as fd:
                 return _rows(path, _mapped(path, fd), asked)
         return _rows(path, self._mapping(path).data, asked)
 
@@ -118,7 +119,7 @@ class KeptMappings:
             if kept is not None and kept.identity == now:
                 self._files.move_to_end(path)
                 return kept
-        with _opened(path) as fd:
+        with opened_shard(path) as fd:
             mapping = _Mapping(_identity(os.fstat(fd)), _mapped(path, fd))
         with self._lock:
             held = self._files.pop(path, None)
@@ -142,20 +143,18 @@ def _identity(stat: os.stat_result) -> Identity:
     return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
-class _opened:
-    """``path`` opened for reading (a :class:`StoreError` where it cannot be)."""
-
-    def __init__(self, path: str) -> None:
-        try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as error:
-            raise StoreError(f"cannot read shard {path}: {error}") from error
-
-    def __enter__(self) -> int:
-        return self.fd
-
-    def __exit__(self, *_: object) -> None:
-        os.close(self.fd)
+@contextlib.contextmanager
+def opened_shard(path: str | os.PathLike[str]) -> Iterator[int]:
+    """The shard file ``path`` opened for reading, as a descriptor closed after (a
+    :class:`StoreError` where it cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as error:
+        raise StoreError(f"cannot read shard {path}: {error}") from error
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _mapped(path: str, fd: int) -> np.ndarray:

@@ -164,8 +164,10 @@ def our_module(
     )  # fmt: skip
 
 
-def fit_trainer(epochs: int, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=False,
+def fit_trainer(
+    epochs: int, callbacks: list[pl.Callback] | None = None, max_steps: int = -1
+) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", max_epochs=epochs, max_steps=max_steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=callbacks)  # fmt: skip
 
@@ -209,17 +211,24 @@ def same_batches(
     }
 
 
+def our_order(path: Path, key: str, seed: int, rows: int, epochs: int) -> list[dict]:
+    """The batches our run of ``seed`` reads (``StoreRows`` as ``train_ours``'s data module
+    reads it, epoch by epoch), with each row's dataset index."""
+    data = StoreRows(path, key, batch_size=BATCH, seed=seed, drop_last=True,
+                     shuffle_rows=rows, with_indices=True)  # fmt: skip
+    batches = []
+    for epoch in range(epochs):
+        data.set_epoch(epoch)
+        batches += list(data)
+    return batches
+
+
 def saelens_on_our_order(
     architecture: str, seed: int, path: Path, key: str, rows: torch.Tensor, epochs: int
 ) -> Any:
     """SAELens' trainer (initial weights of ``seed``) fed the batches our run of ``seed``
-    reads (``StoreRows`` as ``train_ours``'s data module reads it, epoch by epoch)."""
-    data = StoreRows(path, key, batch_size=BATCH, seed=seed, drop_last=True,
-                     shuffle_rows=rows.shape[0])  # fmt: skip
-    batches = []
-    for epoch in range(epochs):
-        data.set_epoch(epoch)
-        batches += [batch[key] for batch in data]
+    reads."""
+    batches = [batch[key] for batch in our_order(path, key, seed, rows.shape[0], epochs)]
     sae, trainer = saelens_trainer(architecture, seed, batches)
     step_all(trainer, batches)
     return _as_users_load(sae)
@@ -228,13 +237,10 @@ def saelens_on_our_order(
 def order_likeness(path: Path, key: str, rows: torch.Tensor, epochs: int) -> dict[str, float]:
     """Whether our reader's order of seed 0 is shuffled as a permutation is: the mean
     number of distinct sequences in a batch, ours and SAELens' (``permuted_batches``)."""
-    data = StoreRows(path, key, batch_size=BATCH, seed=0, drop_last=True,
-                     shuffle_rows=rows.shape[0], with_indices=True)  # fmt: skip
-    ours = []
-    for epoch in range(epochs):
-        data.set_epoch(epoch)
-        ours += [len(batch["index"].unique()) for batch in data]
-    samples = torch.cat([batch["index"] for batch in data])[:, None]  # each row's sequence
+    batches = our_order(path, key, 0, rows.shape[0], epochs)
+    ours = [len(batch["index"].unique()) for batch in batches]
+    per_epoch = len(batches) // epochs
+    samples = torch.cat([batch["index"] for batch in batches[-per_epoch:]])[:, None]  # a row's
     theirs = [len(batch.unique()) for batch in permuted_batches(samples, 0, epochs)]
     return {"ours": statistics.fmean(ours), "saelens": statistics.fmean(theirs)}
 

@@ -23,9 +23,12 @@ of the same rows in memory: the quality runs' throughput comparison, in more rou
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -64,20 +67,18 @@ def our_seconds(architecture: str, batches: list[torch.Tensor]) -> float:
     return timed.seconds
 
 
-def our_seconds_from_store(architecture: str, batches: list[torch.Tensor]) -> float:
-    path, key, rows = _STORE["path"], _STORE["key"], _STORE["rows"]
+def our_seconds_from_store(
+    architecture: str, batches: list[torch.Tensor], *, path: Path, key: str, rows: int
+) -> float:
+    """``our_seconds`` with ours reading ``len(batches)`` batches of the dump ``path``
+    (``rows`` rows, every one shuffled with every other) instead of ``batches``."""
     data = StoreDataModule(path, key, batch_size=quality.BATCH, seed=0, drop_last=True,
                            shuffle_rows=rows)  # fmt: skip
     module = quality.our_module(architecture, 0, WIDTH, len(batches), key=key)
     timed = _Timed()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=len(batches), logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[timed])  # fmt: skip
+    trainer = quality.fit_trainer(1, callbacks=[timed], max_steps=len(batches))
     trainer.fit(module, datamodule=data)
     return timed.seconds
-
-
-_STORE: dict[str, Any] = {}
 
 
 def main() -> None:
@@ -89,12 +90,12 @@ def main() -> None:
     args = parser.parse_args()
     quality.quiet()
     torch.set_num_threads(1)
-    ours = our_seconds
+    ours: Callable[[str, list[torch.Tensor]], float] = our_seconds
     if args.from_store:
         path, rows, _ = quality.rows_store(FULL, quality.HERE / ".stores")
-        _STORE.update(path=path, key=FULL.key, rows=rows.shape[0])
         batches = quality.permuted_batches(rows, 0, 1)[: args.steps]
-        ours = our_seconds_from_store
+        ours = functools.partial(our_seconds_from_store, path=path, key=FULL.key,
+                                 rows=rows.shape[0])  # fmt: skip
     else:
         generator = torch.Generator().manual_seed(0)
         batches = [torch.randn(quality.BATCH, WIDTH, generator=generator)
@@ -105,10 +106,10 @@ def main() -> None:
     for architecture in args.only.split(","):
         ratios = []
         for round_ in range(args.rounds):
-            order = [saelens_seconds, ours]
-            seconds = {run.__name__: run(architecture, batches) for run in
+            order = [("saelens", saelens_seconds), ("ours", ours)]
+            seconds = {name: run(architecture, batches) for name, run in
                        (order if round_ % 2 else order[::-1])}  # fmt: skip
-            ratios.append(seconds["saelens_seconds"] / seconds[ours.__name__])
+            ratios.append(seconds["saelens"] / seconds["ours"])
         report[architecture] = {
             "throughput_ratio": round(statistics.median(ratios), 3),
             "min": round(min(ratios), 3),

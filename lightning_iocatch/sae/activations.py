@@ -79,8 +79,18 @@ def batch_topk_mask(acts: Tensor, k: float, across: Across | None = None) -> Ten
     return mask.view(acts.shape)
 
 
-def _rectangle(x: Tensor) -> Tensor:
-    return ((x > -0.5) & (x < 0.5)).to(x)
+def _above(x: Tensor, threshold: Tensor) -> Tensor:
+    """``x > threshold`` as 1.0 or 0.0 in ``x``'s dtype, without a boolean tensor (a pass
+    over floats): ``x - threshold`` of two floats is positive exactly where ``x`` is
+    larger."""
+    return (x - threshold).sign_().relu_()
+
+
+def _near(x: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
+    """SAELens' rectangle kernel ``-0.5 < (x - threshold) / bandwidth < 0.5`` as 1.0 or
+    0.0: ``0.5 - |u|`` is positive exactly where ``|u| < 0.5``."""
+    u = (x - threshold).div_(bandwidth)
+    return u.abs_().neg_().add_(0.5).sign_().relu_()
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -97,20 +107,22 @@ class _StraightThrough(torch.autograd.Function):
 class JumpReLU(_StraightThrough):
     """``x * (x > threshold)``; the gradient of ``x`` where it passes, and of the
     threshold through a rectangle kernel of ``bandwidth`` (SAELens' and Rajamanoharan et
-    al.'s straight-through estimator)."""
+    al.'s straight-through estimator).
+
+    The masks are SAELens', as floats made without boolean tensors, and multiply in an
+    order that gives SAELens' values (``c * 1 * g`` is ``c * g``) in fewer passes."""
 
     @staticmethod
     def forward(x: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
-        return (x * (x > threshold)).to(x)
+        return x * _above(x, threshold)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
         x, threshold = ctx.saved_tensors
         bandwidth = ctx.bandwidth
-        x_grad = (x > threshold) * grad
-        threshold_grad = torch.sum(
-            -(threshold / bandwidth) * _rectangle((x - threshold) / bandwidth) * grad, dim=0
-        )
+        x_grad = grad * _above(x, threshold)
+        near = _near(x, threshold, bandwidth)
+        threshold_grad = torch.sum((-(threshold / bandwidth) * grad).mul_(near), dim=0)
         return x_grad, threshold_grad, None
 
 
@@ -120,13 +132,12 @@ class Step(_StraightThrough):
 
     @staticmethod
     def forward(x: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
-        return (x > threshold).to(x)
+        return _above(x, threshold)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None]:
         x, threshold = ctx.saved_tensors
         bandwidth = ctx.bandwidth
-        threshold_grad = torch.sum(
-            -(1.0 / bandwidth) * _rectangle((x - threshold) / bandwidth) * grad, dim=0
-        )
+        near = _near(x, threshold, bandwidth)
+        threshold_grad = torch.sum((-(1.0 / bandwidth) * grad).mul_(near), dim=0)
         return None, threshold_grad, None

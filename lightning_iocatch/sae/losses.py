@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from lightning_iocatch.sae.activations import Across, Step
 from lightning_iocatch.sae.model import SparseAutoencoder
+from lightning_iocatch.sae.sparse_decode import Chosen
 
 __all__ = ["TrainingObjective", "TrainingStep", "aux_k_loss", "training_losses"]
 
@@ -47,6 +48,7 @@ def training_losses(
     sparsity: float = 0.0,
     aux_k_coefficient: float = 1.0,
     across: Across | None = None,
+    saelens_arithmetic: bool = False,
 ) -> TrainingStep:
     """The losses of one batch of scaled inputs ``(rows, d_in)``.
 
@@ -57,18 +59,31 @@ def training_losses(
         aux_k_coefficient: the auxiliary loss's coefficient.
         across: the batch spans processes: its rows in all (the means divide by them)
             and the gather BatchTopK selects over.
+        saelens_arithmetic: compute with SAELens' own products, bit for bit: a dense
+            decode of the latents and ``b_dec`` subtracted before the encoder. By default
+            the same losses with fewer operations, equal to float rounding: TopK's and
+            BatchTopK's decodes (the auxiliary loss's too) from their non-zero latents
+            (:meth:`~lightning_iocatch.sae.SparseAutoencoder.decode_chosen`), ``b_dec``
+            folded into the encoder's bias (``pre_activations(fold_b_dec=True)``); the
+            latents returned then carry no gradient.
     """
     share = (scaled.shape[0], 1) if across is None else (across.rows, across.world)
-    pre = sae.pre_activations(scaled)
-    latents = sae.activate(pre, across)
-    reconstruction = sae.decode_scaled(latents)
+    pre = sae.pre_activations(scaled, fold_b_dec=not saelens_arithmetic)
+    chosen = None if saelens_arithmetic else sae.choose(pre, across)
+    if chosen is None:
+        latents = sae.activate(pre, across)
+        reconstruction = sae.decode_scaled(latents)
+    else:
+        latents = chosen.dense(sae.d_sae)
+        reconstruction = sae.decode_chosen(chosen)
     error = torch.nn.functional.mse_loss(reconstruction, scaled, reduction="none")
     mse = _row_mean(error.sum(-1), share)
     losses = {"mse_loss": mse}
     if sae.architecture in ("topk", "batchtopk"):
         losses["auxiliary_reconstruction_loss"] = aux_k_loss(
-            sae, scaled, reconstruction, pre, dead, share, aux_k_coefficient
-        )
+            sae, scaled, reconstruction, pre, dead, share, aux_k_coefficient,
+            sparse=not saelens_arithmetic,
+        )  # fmt: skip
     elif sae.architecture == "relu":
         norms = sae.W_dec.norm(dim=1)
         losses["l1_loss"] = _row_mean(sparsity * (latents * norms).norm(p=1, dim=-1), share)
@@ -90,22 +105,29 @@ def aux_k_loss(
     dead: Tensor | None,
     share: tuple[int, int],
     coefficient: float = 1.0,
+    sparse: bool = False,
 ) -> Tensor:
     """The dead latents' reconstruction of what the live ones leave: the top
     ``k_aux = d_in // 2`` dead pre-activations of each row, decoded without ``b_dec``,
     against the residual, scaled by ``min(n_dead / k_aux, 1)`` (Gao et al., appendix
-    B.1; SAELens 6)."""
-    n_dead = 0 if dead is None else int(dead.sum())
-    if n_dead == 0:
+    B.1; SAELens 6). The top ones are chosen among the dead latents' columns only (the
+    entries SAELens' top-k over all latents, with the live ones at ``-inf``, takes);
+    ``sparse``: decoded from those entries alone (equal to float rounding)."""
+    if dead is None or not bool(dead.any()):
         return reconstruction.new_tensor(0.0)
+    dead_latents = dead.nonzero().squeeze(1)
+    n_dead = dead_latents.numel()
     residual = (scaled - reconstruction).detach()
     k_aux = scaled.shape[-1] // 2
     scale = min(n_dead / k_aux, 1.0)
-    k_aux = min(k_aux, n_dead)
-    only_dead = torch.where(dead[None], pre, -torch.inf)  # type: ignore[index]
-    chosen = only_dead.topk(k_aux, sorted=False)
-    acts = torch.zeros_like(pre).scatter_(-1, chosen.indices, chosen.values)
-    error = (sae.decode_scaled(acts, bias=False) - residual).pow(2).sum(dim=-1)
+    top = pre.index_select(-1, dead_latents).topk(min(k_aux, n_dead), sorted=False)
+    indices = dead_latents[top.indices]
+    if sparse:
+        decoded = sae.decode_chosen(Chosen.of_rows(indices, top.values), bias=False)
+    else:
+        acts = torch.zeros_like(pre).scatter_(-1, indices, top.values)
+        decoded = sae.decode_scaled(acts, bias=False)
+    error = (decoded - residual).pow(2).sum(dim=-1)
     return coefficient * scale * _row_mean(error, share)
 
 
@@ -122,11 +144,12 @@ def _row_mean(per_row: Tensor, share: tuple[int, int]) -> Tensor:
 class TrainingObjective(nn.Module):
     """An SAE whose ``forward`` is :func:`training_losses` of its scaled inputs: the module
     a strategy wraps (FSDP2 gathers the parameters around this forward), holding the SAE
-    as ``.sae``."""
+    as ``.sae``; ``saelens_arithmetic``: :func:`training_losses`'."""
 
-    def __init__(self, sae: SparseAutoencoder) -> None:
+    def __init__(self, sae: SparseAutoencoder, saelens_arithmetic: bool = False) -> None:
         super().__init__()
         self.sae = sae
+        self.saelens_arithmetic = saelens_arithmetic
 
     def forward(
         self,
@@ -145,4 +168,5 @@ class TrainingObjective(nn.Module):
             sparsity=sparsity,
             aux_k_coefficient=aux_k_coefficient,
             across=across,
+            saelens_arithmetic=self.saelens_arithmetic,
         )

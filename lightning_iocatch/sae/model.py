@@ -20,7 +20,15 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor, nn
 
-from lightning_iocatch.sae.activations import Across, JumpReLU, batch_topk, topk
+from lightning_iocatch.sae.activations import (
+    Across,
+    JumpReLU,
+    batch_topk,
+    batch_topk_mask,
+    topk,
+)
+from lightning_iocatch.sae.sparse_decode import Chosen
+from lightning_iocatch.sae.sparse_decode import decode as sparse_decode
 
 __all__ = ["ARCHITECTURES", "Architecture", "SparseAutoencoder"]
 
@@ -142,9 +150,16 @@ class SparseAutoencoder(nn.Module):
         """``x`` in the parameters' dtype, times the input normalisation."""
         return x.to(self.W_enc.dtype) * self.input_scale.to(self.W_enc.dtype)
 
-    def pre_activations(self, scaled: Tensor) -> Tensor:
-        """``(scaled - b_dec) @ W_enc + b_enc`` (times the decoder norms where they scale)."""
-        pre = (scaled - self.b_dec) @ self.W_enc + self.b_enc
+    def pre_activations(self, scaled: Tensor, fold_b_dec: bool = False) -> Tensor:
+        """``(scaled - b_dec) @ W_enc + b_enc`` (times the decoder norms where they scale).
+
+        ``fold_b_dec``: computed as ``scaled @ W_enc + (b_enc - b_dec @ W_enc)``, the same
+        to float rounding, whose backward needs no ``(rows, d_in)`` product for ``b_dec``'s
+        gradient (one matrix product fewer a step)."""
+        if fold_b_dec:
+            pre = torch.addmm(self.b_enc - self.b_dec @ self.W_enc, scaled, self.W_enc)
+        else:
+            pre = (scaled - self.b_dec) @ self.W_enc + self.b_enc
         return pre * self.W_dec.norm(dim=-1) if self.scale_by_decoder_norm else pre
 
     def activate(self, pre: Tensor, across: Across | None = None) -> Tensor:
@@ -162,6 +177,28 @@ class SparseAutoencoder(nn.Module):
                 return pre.relu() * (pre > threshold)
             return JumpReLU.apply(pre, threshold, self.bandwidth)
         return pre.relu()
+
+    def choose(self, pre: Tensor, across: Across | None = None) -> Chosen | None:
+        """What :meth:`activate` keeps of ``pre``, as its non-zero entries, where the
+        architecture fixes them by a selection (TopK; BatchTopK in training), else
+        ``None``; the values carry ``pre``'s gradient."""
+        if self.architecture == "topk":
+            values, indices = torch.topk(pre, k=int(self.k), dim=-1, sorted=False)  # type: ignore[arg-type]
+            return Chosen.of_rows(indices, values.relu())
+        if self.architecture == "batchtopk" and self.training:
+            acts = pre.relu()
+            return Chosen.of_mask(acts, batch_topk_mask(acts.detach(), float(self.k), across))  # type: ignore[arg-type]
+        return None
+
+    def decode_chosen(self, chosen: Chosen, bias: bool = True) -> Tensor:
+        """:meth:`decode_scaled` of latents given by their non-zero entries, computing
+        only with those (:mod:`~lightning_iocatch.sae.sparse_decode`): the same to float
+        rounding."""
+        values = chosen.values
+        if self.scale_by_decoder_norm:
+            values = values * (1 / self.W_dec.norm(dim=-1))[chosen.latents]
+        product = sparse_decode(chosen._replace(values=values), self.W_dec)
+        return product + self.b_dec if bias else product
 
     def decode_scaled(self, latents: Tensor, bias: bool = True) -> Tensor:
         """The reconstruction at the scaled inputs' scale (``bias=False``: without

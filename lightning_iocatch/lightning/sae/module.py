@@ -96,6 +96,10 @@ class SAEModule(LanguageModelHooks):
         jumprelu_init_threshold: the SAE's.
         bandwidth: the SAE's.
         scale_by_decoder_norm: the SAE's.
+        saelens_arithmetic: train with SAELens' own products, bit for bit; by default
+            the same step with fewer operations (TopK's and BatchTopK's decodes from
+            their non-zero latents), equal to float rounding
+            (:func:`~lightning_iocatch.sae.training_losses`).
         seed: the seed of the initial weights.
         language_model: the model the activations came from: validation batches are then
             its text (a tokenizer's dict), the rows its real tokens' outputs at ``layer``,
@@ -144,6 +148,7 @@ class SAEModule(LanguageModelHooks):
         jumprelu_init_threshold: float = 0.01,
         bandwidth: float = 0.05,
         scale_by_decoder_norm: bool | None = None,
+        saelens_arithmetic: bool = False,
         seed: int = 0,
         language_model: nn.Module | None = None,
         layer: str | None = None,
@@ -185,7 +190,7 @@ class SAEModule(LanguageModelHooks):
                 raise ValueError(f"`{name}` must be a non-negative int, got {value!r}")
         if lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"`lr_schedule` must be 'constant' or 'cosine', got {lr_schedule!r}")
-        self.objective = TrainingObjective(sae)
+        self.objective = TrainingObjective(sae, saelens_arithmetic)
         self.key = key
         self.lr, self.total_steps = float(lr), total_steps
         self.betas = (float(betas[0]), float(betas[1]))

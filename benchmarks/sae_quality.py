@@ -72,7 +72,8 @@ def rows_store(setup: Setup, work: Path) -> tuple[Path, torch.Tensor, torch.Tens
     return path, rows, block_outputs(lm, setup, eval_ids(setup))
 
 
-def saelens_sae(architecture: str, seed: int, warmup: int, width: int) -> Any:
+def saelens_sae(architecture: str, seed: int, warmup: int, width: int, sparse: bool = False) -> Any:
+    """SAELens' training SAE (``sparse``: TopK's ``use_sparse_activations``)."""
     from sae_lens.saes.batchtopk_sae import BatchTopKTrainingSAE, BatchTopKTrainingSAEConfig
     from sae_lens.saes.jumprelu_sae import JumpReLUTrainingSAE, JumpReLUTrainingSAEConfig
     from sae_lens.saes.standard_sae import StandardTrainingSAE, StandardTrainingSAEConfig
@@ -81,7 +82,8 @@ def saelens_sae(architecture: str, seed: int, warmup: int, width: int) -> Any:
     torch.manual_seed(seed)
     common = {"d_in": width, "d_sae": LATENTS}
     if architecture == "topk":
-        return TopKTrainingSAE(TopKTrainingSAEConfig(k=K, **common))
+        return TopKTrainingSAE(TopKTrainingSAEConfig(k=K, use_sparse_activations=sparse,
+                                                     **common))  # fmt: skip
     if architecture == "batchtopk":
         return BatchTopKTrainingSAE(BatchTopKTrainingSAEConfig(k=K, **common))
     if architecture == "jumprelu":
@@ -108,13 +110,16 @@ def permuted_batches(rows: torch.Tensor, seed: int, epochs: int) -> list[torch.T
     return batches
 
 
-def saelens_trainer(architecture: str, seed: int, batches: list[torch.Tensor]) -> tuple[Any, Any]:
+def saelens_trainer(
+    architecture: str, seed: int, batches: list[torch.Tensor], sparse: bool = False
+) -> tuple[Any, Any]:
     """SAELens' training SAE and its ``SAETrainer`` over ``batches`` (not stepped yet)."""
     from sae_lens.config import SAETrainerConfig
     from sae_lens.training.sae_trainer import SAETrainer
 
     steps = len(batches)
-    sae = saelens_sae(architecture, seed, warmup=steps // 10, width=batches[0].shape[1])
+    sae = saelens_sae(architecture, seed, warmup=steps // 10, width=batches[0].shape[1],
+                      sparse=sparse)  # fmt: skip
     config = SAETrainerConfig(total_training_samples=steps * BATCH, lr=LR, lr_end=LR / 10,
                               train_batch_size_samples=BATCH,
                               dead_feature_window=WINDOW)  # fmt: skip

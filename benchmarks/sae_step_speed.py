@@ -9,7 +9,9 @@ takes the store out: both train on the same ``--steps`` batches of 1,024 random 
 width 128 held in memory (SAELens through ``SAETrainer.step``, ours through
 ``Trainer.fit`` over a ``DataLoader`` of those batches), 1,024 latents, the settings of
 ``sae_quality.py`` (our input normalisation off, its default: SAELens' trainer has none,
-so both train on every batch). Torch single-threaded; CPU seconds of the training itself
+so both train on every batch); for TopK, SAELens also with its sparse option
+(``use_sparse_activations=True``: sparse tensors for the latents), reported as
+``vs_sparse_activations``. Torch single-threaded; CPU seconds of the training itself
 (SAELens' steps; ours from ``on_train_start`` to ``on_train_end``), the tools alternating;
 printed per architecture as SAELens' seconds over ours (a throughput ratio), median (min
 to max) over the rounds.
@@ -42,11 +44,21 @@ from lightning_iocatch import StoreDataModule
 WIDTH = 128
 
 
-def saelens_seconds(architecture: str, batches: list[torch.Tensor]) -> float:
-    _, trainer = quality.saelens_trainer(architecture, 0, batches)
+def saelens_seconds(architecture: str, batches: list[torch.Tensor], sparse: bool = False) -> float:
+    _, trainer = quality.saelens_trainer(architecture, 0, batches, sparse)
     start = time.process_time()
     quality.step_all(trainer, batches)
     return time.process_time() - start
+
+
+def sparse_failure(batches: list[torch.Tensor]) -> str:
+    """Why SAELens' TopK with ``use_sparse_activations=True`` cannot train here, or ``""``
+    (its sparse tensors' backward fails on the CPU with torch 2.13)."""
+    try:
+        saelens_seconds("topk", batches[:2], sparse=True)
+    except (NotImplementedError, RuntimeError) as error:
+        return f"fails: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    return ""
 
 
 class _Timed(pl.Callback):
@@ -104,17 +116,29 @@ def main() -> None:
         "torch": torch.__version__, "steps": args.steps, "from_store": args.from_store
     }  # fmt: skip
     for architecture in args.only.split(","):
-        ratios = []
+        ratios: dict[str, list[float]] = {"saelens": [], "saelens_sparse": []}
+        sparse_fails = architecture == "topk" and sparse_failure(batches)
         for round_ in range(args.rounds):
             order = [("saelens", saelens_seconds), ("ours", ours)]
+            if architecture == "topk" and not sparse_fails:  # SAELens' sparse latents
+                order.append(("saelens_sparse", functools.partial(saelens_seconds, sparse=True)))
             seconds = {name: run(architecture, batches) for name, run in
                        (order if round_ % 2 else order[::-1])}  # fmt: skip
-            ratios.append(seconds["saelens"] / seconds["ours"])
+            for name in ratios:
+                if name in seconds:
+                    ratios[name].append(seconds[name] / seconds["ours"])
         report[architecture] = {
-            "throughput_ratio": round(statistics.median(ratios), 3),
-            "min": round(min(ratios), 3),
-            "max": round(max(ratios), 3),
+            "throughput_ratio": round(statistics.median(ratios["saelens"]), 3),
+            "min": round(min(ratios["saelens"]), 3),
+            "max": round(max(ratios["saelens"]), 3),
         }
+        if sparse_fails:
+            report[architecture]["vs_sparse_activations"] = sparse_fails
+        if ratios["saelens_sparse"]:
+            found = ratios["saelens_sparse"]
+            report[architecture]["vs_sparse_activations"] = [
+                round(statistics.median(found), 3), round(min(found), 3), round(max(found), 3)
+            ]  # fmt: skip
         print(architecture, report[architecture], flush=True)
     print(json.dumps(report, indent=1))
 

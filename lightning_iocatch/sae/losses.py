@@ -63,12 +63,13 @@ def training_losses(
             decode of the latents and ``b_dec`` subtracted before the encoder. By default
             the same losses with fewer operations, equal to float rounding: TopK's and
             BatchTopK's decodes (the auxiliary loss's too) from their non-zero latents
-            (:meth:`~lightning_iocatch.sae.SparseAutoencoder.decode_chosen`), ``b_dec``
-            folded into the encoder's bias (``pre_activations(fold_b_dec=True)``); the
-            latents returned then carry no gradient.
+            (:meth:`~lightning_iocatch.sae.SparseAutoencoder.decode_chosen`), ``b_dec``'s
+            gradient through the encoder as a vector product
+            (``pre_activations(b_dec_vector_gradient=True)``: SAELens' pre-activations
+            exactly); the latents returned then carry no gradient.
     """
     share = (scaled.shape[0], 1) if across is None else (across.rows, across.world)
-    pre = sae.pre_activations(scaled, fold_b_dec=not saelens_arithmetic)
+    pre = sae.pre_activations(scaled, b_dec_vector_gradient=not saelens_arithmetic)
     chosen = None if saelens_arithmetic else sae.choose(pre, across)
     if chosen is None:
         latents = sae.activate(pre, across)

@@ -150,14 +150,18 @@ class SparseAutoencoder(nn.Module):
         """``x`` in the parameters' dtype, times the input normalisation."""
         return x.to(self.W_enc.dtype) * self.input_scale.to(self.W_enc.dtype)
 
-    def pre_activations(self, scaled: Tensor, fold_b_dec: bool = False) -> Tensor:
+    def pre_activations(self, scaled: Tensor, b_dec_vector_gradient: bool = False) -> Tensor:
         """``(scaled - b_dec) @ W_enc + b_enc`` (times the decoder norms where they scale).
 
-        ``fold_b_dec``: computed as ``scaled @ W_enc + (b_enc - b_dec @ W_enc)``, the same
-        to float rounding, whose backward needs no ``(rows, d_in)`` product for ``b_dec``'s
-        gradient (one matrix product fewer a step)."""
-        if fold_b_dec:
-            pre = torch.addmm(self.b_enc - self.b_dec @ self.W_enc, scaled, self.W_enc)
+        ``b_dec_vector_gradient``: the same values, with ``b_dec`` subtracted detached and
+        its gradient carried by a term of value zero, ``(b_dec - b_dec.detach()) @ W_enc``:
+        ``b_dec``'s gradient through the encoder is then one vector product,
+        ``-(W_enc @ grad.sum(0))``, instead of a ``(rows, d_in)`` product summed over the
+        rows (the same to float rounding)."""
+        if b_dec_vector_gradient:  # the zero term in the parameters' dtype, autocast or not
+            with torch.autocast(self.W_enc.device.type, enabled=False):
+                zero = (self.b_dec - self.b_dec.detach()) @ self.W_enc
+            pre = (scaled - self.b_dec.detach()) @ self.W_enc + self.b_enc - zero
         else:
             pre = (scaled - self.b_dec) @ self.W_enc + self.b_enc
         return pre * self.W_dec.norm(dim=-1) if self.scale_by_decoder_norm else pre

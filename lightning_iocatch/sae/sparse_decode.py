@@ -32,7 +32,7 @@ __all__ = ["Chosen", "decode"]
 class Chosen(NamedTuple):
     """Latents given by their non-zero entries, row by row: row ``r``'s are ``values`` at
     ``latents`` between ``offsets[r]`` and ``offsets[r + 1]`` (``offsets`` has ``rows + 1``
-    entries)."""
+    entries), each row's latents ascending (a compressed sparse row pattern)."""
 
     offsets: Tensor
     latents: Tensor
@@ -41,10 +41,11 @@ class Chosen(NamedTuple):
     @classmethod
     def of_rows(cls, indices: Tensor, values: Tensor) -> Chosen:
         """As many entries in every row: ``indices`` and ``values`` ``(rows, k)`` (what
-        ``torch.topk`` gives)."""
+        ``torch.topk`` gives, in any order)."""
         rows, k = indices.shape
+        indices, order = indices.sort(-1)
         offsets = torch.arange(0, rows * k + 1, k, device=indices.device)
-        return cls(offsets, indices.reshape(-1), values.reshape(-1))
+        return cls(offsets, indices.reshape(-1), values.gather(-1, order).reshape(-1))
 
     @classmethod
     def of_mask(cls, values: Tensor, mask: Tensor) -> Chosen:
@@ -58,7 +59,8 @@ class Chosen(NamedTuple):
     def rows(self) -> Tensor:
         """The row of each entry."""
         counts = self.offsets.diff()
-        return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        rows = torch.arange(counts.numel(), device=counts.device)
+        return torch.repeat_interleave(rows, counts, output_size=self.latents.numel())
 
     def dense(self, d_sae: int) -> Tensor:
         """The ``(rows, d_sae)`` latents, without gradient."""

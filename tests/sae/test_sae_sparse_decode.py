@@ -12,6 +12,8 @@ float32, at the kernel's edges and on the threshold itself.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -145,6 +147,43 @@ def test_the_dead_latents_top_k_is_saelens_bit_for_bit(n_dead) -> None:
     assert torch.equal(found_grad, truth_grad)
 
 
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A float tensor's bit patterns: tells -0.0 from 0.0, and NaN equals itself."""
+    return tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_pre_activations_are_saelens_values_and_b_dec_gradient(autocast) -> None:
+    exact = trained_looking("jumprelu", None)
+    with torch.no_grad():
+        exact.b_dec.mul_(40.0)  # inputs with a large mean: b_dec far larger than x - b_dec
+    sae = copy.deepcopy(exact).float()
+    x = rows(12) + exact.b_dec.detach() / float(exact.input_scale)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        found = sae.pre_activations(sae.scaled(x), b_dec_vector_gradient=True)
+        truth = sae.pre_activations(sae.scaled(x))
+    assert found.dtype == truth.dtype == torch.float32
+    assert torch.equal(bits(found), bits(truth))  # SAELens' values, bit for bit
+    upstream = torch.randn(found.shape, dtype=torch.float64)
+    (mine,) = torch.autograd.grad(found, sae.b_dec, upstream.float())
+    (theirs,) = torch.autograd.grad(truth, sae.b_dec, upstream.float())
+    (exact_grad,) = torch.autograd.grad(
+        exact.pre_activations(exact.scaled(x)), exact.b_dec, upstream
+    )
+    mine_error = float((mine.double() - exact_grad).abs().max())
+    their_error = float((theirs.double() - exact_grad).abs().max())
+    assert mine_error <= their_error + 1e-6 * float(exact_grad.abs().max())  # as close, or closer
+
+
+def test_chosen_latents_are_a_valid_compressed_sparse_row_pattern() -> None:
+    for chosen in choices():
+        counts = chosen.offsets.diff()
+        torch.sparse_csr_tensor(  # raises where a row's latents are not ascending
+            chosen.offsets, chosen.latents, chosen.values, (counts.numel(), 11),
+            check_invariants=True,
+        )  # fmt: skip
+
+
 def saelens_jumprelu(x, threshold, bandwidth, upstream):
     """SAELens 6's JumpReLU and Step, as it writes them: masks multiplied as 0 or 1."""
 
@@ -177,8 +216,19 @@ def test_jumprelu_and_step_are_saelens_bit_for_bit_at_their_edges() -> None:
     (step_grad,) = torch.autograd.grad(step, t2, upstream)
     truth = saelens_jumprelu(x, threshold, bandwidth, upstream)
     for mine, theirs in zip((out, x_grad, t_grad, step, step_grad), truth, strict=True):
-        assert torch.equal(mine, theirs)
+        assert torch.equal(bits(mine), bits(theirs))
     assert 0 < int((truth[1] != 0).sum()) < x.numel()  # some pass, some do not
+
+
+def test_jumprelu_threshold_gradient_far_from_the_kernel_is_zero_in_half_precision() -> None:
+    x = torch.tensor([[1000.0, 1.01]], dtype=torch.float16)  # far outside; inside
+    threshold = torch.tensor([1.0, 1.0], dtype=torch.float16, requires_grad=True)
+    upstream = torch.tensor([[4000.0, 4000.0]], dtype=torch.float16)  # threshold/bw * 4000: inf
+    out = JumpReLU.apply(x, threshold, 0.05)
+    (found,) = torch.autograd.grad(out, threshold, upstream)
+    truth = saelens_jumprelu(x, threshold.detach(), 0.05, upstream)[2]
+    assert torch.equal(bits(found), bits(truth))
+    assert found[0] == 0 and torch.isinf(found[1])  # SAELens' 0 outside, its overflow inside
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

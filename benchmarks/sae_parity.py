@@ -181,6 +181,9 @@ def main() -> None:
         help="our module's saelens_arithmetic=True, its default, or both",
     )
     args = parser.parse_args()
+    unknown = set(args.arithmetic.split(",")) - {"saelens", "default"}
+    if unknown:
+        parser.error(f"--arithmetic takes saelens and default, not {sorted(unknown)}")
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     import sae_lens

@@ -22,11 +22,14 @@ held-out rows, each SAE as its tool exports it (SAELens' ``save_inference_model`
 eval mode, the same): MSE (per row, summed over inputs), explained variance, L0 and the fraction
 of latents that never fire. Printed per architecture: each figure's mean and range over
 the seeds for both tools, the control (our module on SAELens' own batches and initial
-weights of seed 0: the same figures, which leaves the data order as the tools' only
-difference), SAELens fed our order of each seed (from its own initial weights of that
-seed, which are ours: the largest difference of each figure from ours, 0 when the tools
-differ only in the order), and the training throughput (rows per CPU-second of the
-process, rows per second) with its ratio per seed (interleaved: the tools alternate).
+weights of seed 0, by default and with ``saelens_arithmetic=True``: the same figures,
+which leaves the data order as the tools' only difference; and SAELens with every encoder
+weight moved by one float32 step, how far rounding differences carry), SAELens fed our
+order of each seed (from its own initial weights of that seed, which are ours: the largest
+difference of each figure from ours, float rounding's where the tools differ only in the
+order), and the training throughput (rows per CPU-second of the process, rows per second)
+with its ratio per seed (interleaved: the tools alternate). Ours runs with its default
+arithmetic (the same step as SAELens' with fewer operations, equal to float rounding).
 """
 
 from __future__ import annotations
@@ -93,9 +96,16 @@ def saelens_sae(architecture: str, seed: int, warmup: int, width: int, sparse: b
         l1_coefficient=SPARSITY["relu"], l1_warm_up_steps=warmup, **common))  # fmt: skip
 
 
-def train_saelens(architecture: str, seed: int, rows: torch.Tensor, epochs: int) -> Any:
+def train_saelens(
+    architecture: str, seed: int, rows: torch.Tensor, epochs: int, nudged: bool = False
+) -> Any:
+    """SAELens trained on its permutation of ``rows`` (``nudged``: every encoder weight
+    moved by one float32 step before training, differences of a rounding's size)."""
     batches = permuted_batches(rows, seed, epochs)
     sae, trainer = saelens_trainer(architecture, seed, batches)
+    if nudged:
+        with torch.no_grad():
+            sae.W_enc.copy_(torch.nextafter(sae.W_enc, torch.full_like(sae.W_enc, torch.inf)))
     step_all(trainer, batches)
     return _as_users_load(sae)
 
@@ -158,14 +168,19 @@ def train_ours(
 
 
 def our_module(
-    architecture: str, seed: int, width: int, steps: int, key: str | None = None
+    architecture: str,
+    seed: int,
+    width: int,
+    steps: int,
+    key: str | None = None,
+    saelens_arithmetic: bool = False,
 ) -> SAEModule:
     """Our module with the settings SAELens' side gets (``steps``: the run's length)."""
     k = K if "topk" in architecture else None
     return SAEModule(
         width, LATENTS, architecture, k, key=key, lr=LR, seed=seed,  # type: ignore[arg-type]
         sparsity_coefficient=SPARSITY.get(architecture, 1.0), sparsity_warmup_steps=steps // 10,
-        dead_after_tokens=WINDOW * BATCH,
+        dead_after_tokens=WINDOW * BATCH, saelens_arithmetic=saelens_arithmetic,
     )  # fmt: skip
 
 
@@ -204,16 +219,20 @@ def same_batches(
     architecture: str, rows: torch.Tensor, evaluation: torch.Tensor, epochs: int
 ) -> dict[str, dict[str, float]]:
     """The control: our module fed SAELens' own batches of seed 0 (its permutation), from
-    SAELens' initial weights' seed: what is left of a gap between the tools is then theirs."""
+    SAELens' initial weights' seed: what is left of a gap between the tools is then theirs.
+    Ours by default (float rounding apart from SAELens' products) and with
+    ``saelens_arithmetic=True`` (SAELens' products)."""
     batches = permuted_batches(rows, 0, epochs)
-    module = our_module(architecture, 0, rows.shape[1], len(batches))
-    fit_trainer(1).fit(module, DataLoader(batches, batch_size=None))  # type: ignore[arg-type]
-    ours = module.sae.eval()
-    theirs = train_saelens(architecture, 0, rows, epochs)
-    return {
-        "ours": held_out(ours.encode, ours.decode, evaluation),
-        "saelens": held_out(theirs.encode, theirs.decode, evaluation),
-    }
+    found = {}
+    for name, exact in (("ours", False), ("ours_saelens_arithmetic", True)):
+        module = our_module(architecture, 0, rows.shape[1], len(batches), saelens_arithmetic=exact)
+        fit_trainer(1).fit(module, DataLoader(batches, batch_size=None))  # type: ignore[arg-type]
+        ours = module.sae.eval()
+        found[name] = held_out(ours.encode, ours.decode, evaluation)
+    for name, nudged in (("saelens", False), ("saelens_one_step_apart", True)):
+        theirs = train_saelens(architecture, 0, rows, epochs, nudged)
+        found[name] = held_out(theirs.encode, theirs.decode, evaluation)
+    return found
 
 
 def our_order(path: Path, key: str, seed: int, rows: int, epochs: int) -> list[dict]:
@@ -323,7 +342,9 @@ def main() -> None:
                     f"[{min(ratios):.2f}, {max(ratios):.2f}]")  # fmt: skip
         print(" | ".join(line), flush=True)
         print(f"{architecture:9} | seed 0 on SAELens' own batches: ours {control['ours']}, "
-              f"SAELens {control['saelens']}", flush=True)  # fmt: skip
+              f"ours with SAELens' arithmetic {control['ours_saelens_arithmetic']}, "
+              f"SAELens {control['saelens']}, SAELens with its encoder one float32 step "
+              f"apart {control['saelens_one_step_apart']}", flush=True)  # fmt: skip
         apart = {
             name: max(abs(a - b) for a, b in zip(found["ours"][name],
                                                  found["saelens_our_order"][name], strict=True))

@@ -104,13 +104,15 @@ test-peers: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python -m pytest -q tests/lightning/test_effects_saelens.py tests/peers/test_sae_saelens.py
 
 # SAEModule against SAELens' own trainer (in the SAELens environment): step for step from the
-# same weights and batches (float32 bit for bit, float64 to 1e-12), then quality over 3 seeds
-# and training throughput as users run each tool (about 15 minutes; trains the compact study's
-# GPT-2 once, cached in .cache/compact-study/).
+# same weights and batches (SAELens' arithmetic float32 bit for bit, float64 to 1e-12, for
+# both arithmetics), then quality over 3 seeds and training throughput as users run each tool,
+# the step's speed, and SAELens alone on our reader's order and its own over 6 seeds (about
+# an hour; trains the compact study's GPT-2 once, cached in .cache/compact-study/).
 bench-sae: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python benchmarks/sae_parity.py
 	cd benchmarks && ../$(BENCH_VENV)/bin/python sae_quality.py
 	cd benchmarks && ../$(BENCH_VENV)/bin/python sae_step_speed.py
+	cd benchmarks && ../$(BENCH_VENV)/bin/python sae_order.py
 
 # Unit statistics (top-k, density) against delphi's in-memory cache: eai-delphi in an
 # environment of its own. eai-delphi brings torchvision and torchaudio built for another

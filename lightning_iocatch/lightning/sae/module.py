@@ -98,8 +98,8 @@ class SAEModule(LanguageModelHooks):
         scale_by_decoder_norm: the SAE's.
         saelens_arithmetic: train with SAELens' own products, bit for bit; by default
             the same step with fewer operations (TopK's and BatchTopK's decodes from
-            their non-zero latents), equal to float rounding
-            (:func:`~lightning_iocatch.sae.training_losses`).
+            their non-zero latents, ``b_dec``'s gradient as a vector product), equal to
+            float rounding (:func:`~lightning_iocatch.sae.training_losses`).
         seed: the seed of the initial weights.
         language_model: the model the activations came from: validation batches are then
             its text (a tokenizer's dict), the rows its real tokens' outputs at ``layer``,

@@ -11,22 +11,18 @@ initial weights of that seed trained on (a) its own permutation of the rows in m
 (``our_order``), the settings of ``sae_quality.py``; the held-out MSE, explained variance,
 L0 and dead fraction of each. Printed per architecture: each figure's mean (min to max)
 over the seeds for both orders, and in how many seeds our order gave the lower MSE; and
-first, how alike the two orders of seed 0 are (``order_statistics``).
+first, how alike the two orders of seed 0 are (``sae_quality.order_statistics``).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import statistics
 from typing import Any
 
 import sae_quality as quality
 import torch
 from compact_common import FULL
-
-TOKENS = 128  # a dumped sequence's rows
 
 
 def main() -> None:
@@ -39,7 +35,7 @@ def main() -> None:
     quality.quiet()
     torch.set_num_threads(1)
     path, rows, evaluation = quality.rows_store(FULL, quality.HERE / ".stores")
-    report: dict[str, Any] = {"order_statistics": order_statistics(path, FULL.key, rows, 0)}
+    report: dict[str, Any] = {"order_statistics": quality.order_statistics(path, FULL.key, rows, 0)}
     print(f"ours / permutation, seed 0: {report['order_statistics']}", flush=True)
     report |= {
         "seeds": args.seeds,
@@ -75,45 +71,6 @@ def main() -> None:
                     f"permutation {_rounded(found['permutation']['mse'])}")  # fmt: skip
         print(" | ".join(line), flush=True)
     print(json.dumps(report, indent=1))
-
-
-def order_statistics(path: Any, key: str, rows: torch.Tensor, seed: int) -> dict[str, list]:
-    """How alike our reader's order of ``seed`` and SAELens' permutation are, over two
-    epochs, ``[ours, permutation]`` per figure: the distinct sequences in a batch, the
-    sequences two consecutive batches share, the batches of the first epoch a batch of the
-    second draws rows from, and the batches of an epoch a sequence spreads over. Our rows'
-    sequences are their dataset indices, the permutation's its row numbers // ``TOKENS``
-    (the dump's sequences in order); our rows are told apart across epochs by their values
-    (rows of identical values, as the first tokens of sequences starting alike, as one)."""
-    count = rows.shape[0]
-    number = {bytes(row.numpy()): i for i, row in enumerate(rows)}
-    batches = quality.our_order(path, key, seed, count, 2)
-    ours = (
-        [batch["index"] for batch in batches],
-        [torch.tensor([number[bytes(row.numpy())] for row in batch[key]]) for batch in batches],
-    )
-    generator = torch.Generator().manual_seed(seed)  # as quality.permuted_batches draws
-    order = torch.cat([torch.randperm(count, generator=generator) for _ in range(2)])
-    theirs_rows = list(order.split(quality.BATCH))
-    theirs = ([batch // TOKENS for batch in theirs_rows], theirs_rows)
-    found: dict[str, list] = {}
-    for sequence_of, row_of in (ours, theirs):
-        half = len(row_of) // 2
-        sequences = [set(batch.tolist()) for batch in sequence_of[:half]]
-        first = torch.empty(count, dtype=torch.long)
-        for place, batch in enumerate(row_of[:half]):
-            first[batch] = place
-        spread = [len(set(first[batch].tolist())) for batch in row_of[half:]]
-        for name, value in (
-            ("distinct_sequences_a_batch", statistics.fmean(map(len, sequences))),
-            ("sequences_shared_by_consecutive_batches",
-             statistics.fmean(len(a & b) for a, b in itertools.pairwise(sequences))),
-            ("first_epoch_batches_a_second_epoch_batch_draws_from", statistics.fmean(spread)),
-            ("batches_a_sequence_spreads_over",
-             sum(map(len, sequences)) / (count // TOKENS)),
-        ):  # fmt: skip
-            found.setdefault(name, []).append(round(value, 1))
-    return found
 
 
 def _shown(figure: dict[str, float]) -> str:

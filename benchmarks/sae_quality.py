@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import time
@@ -258,15 +259,45 @@ def saelens_on_our_order(
     return _as_users_load(sae)
 
 
-def order_likeness(path: Path, key: str, rows: torch.Tensor, epochs: int) -> dict[str, float]:
-    """Whether our reader's order of seed 0 is shuffled as a permutation is: the mean
-    number of distinct sequences in a batch, ours and SAELens' (``permuted_batches``)."""
-    batches = our_order(path, key, 0, rows.shape[0], epochs)
-    ours = [len(batch["index"].unique()) for batch in batches]
-    per_epoch = len(batches) // epochs
-    samples = torch.cat([batch["index"] for batch in batches[-per_epoch:]])[:, None]  # a row's
-    theirs = [len(batch.unique()) for batch in permuted_batches(samples, 0, epochs)]
-    return {"ours": statistics.fmean(ours), "saelens": statistics.fmean(theirs)}
+def order_statistics(path: Any, key: str, rows: torch.Tensor, seed: int) -> dict[str, list]:
+    """How alike our reader's order of ``seed`` and SAELens' permutation are, over two
+    epochs, ``[ours, permutation]`` per figure: the distinct sequences in a batch, the
+    sequences two consecutive batches share, the batches of the first epoch a batch of the
+    second draws rows from, and the batches of an epoch a sequence spreads over. Our rows'
+    sequences are their dataset indices, the permutation's its row numbers // the rows a
+    sequence has (the dump's sequences in order, all of one length); our rows are told
+    apart across epochs by their values (rows of identical values, as the first tokens of
+    sequences starting alike, as one)."""
+    count = rows.shape[0]
+    number = {bytes(row.numpy()): i for i, row in enumerate(rows)}
+    batches = our_order(path, key, seed, count, 2)
+    ours = (
+        [batch["index"] for batch in batches],
+        [torch.tensor([number[bytes(row.numpy())] for row in batch[key]]) for batch in batches],
+    )
+    generator = torch.Generator().manual_seed(seed)  # as quality.permuted_batches draws
+    order = torch.cat([torch.randperm(count, generator=generator) for _ in range(2)])
+    theirs_rows = list(order.split(BATCH))
+    tokens = count // len(set(torch.cat(ours[0][: len(batches) // 2]).tolist()))
+    theirs = ([batch // tokens for batch in theirs_rows], theirs_rows)
+    found: dict[str, list] = {}
+    for sequence_of, row_of in (ours, theirs):
+        half = len(row_of) // 2
+        sequences = [set(batch.tolist()) for batch in sequence_of[:half]]
+        first = torch.empty(count, dtype=torch.long)
+        for place, batch in enumerate(row_of[:half]):
+            first[batch] = place
+        spread = [len(set(first[batch].tolist())) for batch in row_of[half:]]
+        for name, value in (
+            ("distinct_sequences_a_batch", statistics.fmean(map(len, sequences))),
+            ("sequences_shared_by_consecutive_batches",
+             statistics.fmean(len(a & b) for a, b in itertools.pairwise(sequences))),
+            ("first_epoch_batches_a_second_epoch_batch_draws_from", statistics.fmean(spread)),
+            ("batches_a_sequence_spreads_over",
+             sum(map(len, sequences)) / (count // tokens)),
+        ):  # fmt: skip
+            found.setdefault(name, []).append(round(value, 1))
+    return found
 
 
 def _shown(figure: dict[str, float]) -> str:
@@ -292,13 +323,9 @@ def main() -> None:
     report: dict[str, Any] = {
         "sae_lens": sae_lens.__version__, "torch": torch.__version__,
         "rows": rows.shape[0], "held_out_rows": evaluation.shape[0],
-        "distinct_sequences_a_batch": order_likeness(path, setup.key, rows, args.epochs),
+        "order_statistics": order_statistics(path, setup.key, rows, 0),
     }  # fmt: skip
-    print(
-        f"distinct sequences a batch, ours / SAELens' permutation: "
-        f"{report['distinct_sequences_a_batch']}",
-        flush=True,
-    )
+    print(f"ours / SAELens' permutation, seed 0: {report['order_statistics']}", flush=True)
     for architecture in args.only.split(","):
         found: dict[str, dict[str, list[float]]] = {
             "saelens": {},
